@@ -1,0 +1,175 @@
+"""`python app.py generate`: one request through the same services as the UI.
+
+The last line on stdout is one JSON object (outputs, per-stage latency, peak
+memory, device, dtype, optimization report); errors are one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cli.errors import cli_errors
+from cli.options import add_optimization_args, flags_from_args
+from core.errors import InputError
+from core.pnginfo import read_png_params, save_png
+from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags, StyleGANParams, parse_seeds
+from pipelines.base import image_grid
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="app.py generate", description="Generate images with a StyleGAN or diffusion model.")
+    p.add_argument("--backend", choices=["stylegan", "diffusion"], default=None,
+                   help="default: stylegan, or what --from-png says")
+    p.add_argument("--model", default=None, help="catalogue id, file/folder path, or (diffusion) a Hugging Face id")
+    p.add_argument("--out", default=None, help=".png (images with parameters embedded) or .npy (raw float32 [N, C, H, W])")
+    p.add_argument("--from-png", default=None, metavar="FILE", help="reproduce the image whose parameters FILE carries")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
+    p.add_argument("--no-grid", action="store_true", help="with several images and a .png --out, write one file per image")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    sg = p.add_argument_group("stylegan")
+    sg.add_argument("--seed", type=str, default=None, help="one seed (0..2^32-1)")
+    sg.add_argument("--seeds", type=str, default=None, help="seed list/ranges, e.g. 0-7 or 1,5,9")
+    sg.add_argument("--truncation", type=float, default=1.0, help="truncation ψ (1 = none)")
+    sg.add_argument("--truncation-cutoff", type=int, default=None)
+    sg.add_argument("--noise-mode", choices=["const", "random", "none"], default="const")
+    sg.add_argument("--class-index", type=int, default=None)
+    sg.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
+    df = p.add_argument_group("diffusion")
+    df.add_argument("--prompt", default=None)
+    df.add_argument("--negative-prompt", default="")
+    df.add_argument("--init-image", default=None)
+    df.add_argument("--strength", type=float, default=0.75)
+    df.add_argument("--steps", type=int, default=None)
+    df.add_argument("--guidance", type=float, default=None)
+    df.add_argument("--width", type=int, default=None)
+    df.add_argument("--height", type=int, default=None)
+    df.add_argument("--scheduler", default=None)
+    add_optimization_args(p)
+    return p
+
+
+def _request_from_png(path: str, a: argparse.Namespace, flags: OptimizationFlags) -> GenerationRequest:
+    meta = read_png_params(path)
+    if meta.get("source") == "a1111":
+        sched = meta.get("sampler", "default")
+        if meta.get("schedule_type") and meta["schedule_type"].lower() not in sched.lower():
+            sched = f"{sched} {meta['schedule_type']}"
+        params = DiffusionParams(prompt=meta.get("prompt", ""), negative_prompt=meta.get("negative_prompt", ""),
+                                 seed=int(meta.get("seed", 0)), steps=int(meta.get("steps", 25)),
+                                 guidance=float(meta.get("cfg_scale", 7.0)), width=int(meta.get("width", 512)),
+                                 height=int(meta.get("height", 512)), scheduler=sched)
+        return GenerationRequest("diffusion", a.model or meta.get("model"), params, flags, a.device)
+    backend = meta.get("backend")
+    saved_flags = OptimizationFlags.from_dict(meta.get("flags")) if meta.get("flags") else flags
+    if backend == "stylegan":
+        seeds = meta.get("seeds") or [meta.get("seed", 0)]
+        params = StyleGANParams(seeds=tuple(int(s) for s in seeds), truncation_psi=float(meta.get("truncation_psi", 1.0)),
+                                truncation_cutoff=meta.get("truncation_cutoff"), noise_mode=meta.get("noise_mode", "const"),
+                                class_index=meta.get("class_index"))
+    elif backend == "diffusion":
+        params = DiffusionParams(**{k: meta[k] for k in DiffusionParams.__dataclass_fields__ if k in meta})
+    else:
+        raise InputError(f"{path}: unknown backend {backend!r} in its parameters")
+    return GenerationRequest(backend, a.model or meta.get("model"), params, saved_flags, a.device)
+
+
+def _request_from_args(a: argparse.Namespace, flags: OptimizationFlags) -> GenerationRequest:
+    backend = a.backend or "stylegan"
+    if backend == "stylegan":
+        if a.seed is not None and a.seeds is not None:
+            raise InputError("give either --seed or --seeds, not both")
+        seeds = parse_seeds(a.seeds if a.seeds is not None else (a.seed if a.seed is not None else "0"))
+        params = StyleGANParams(seeds=seeds, truncation_psi=a.truncation, truncation_cutoff=a.truncation_cutoff,
+                                noise_mode=a.noise_mode, class_index=a.class_index, batch_size=a.batch_size or 8)
+    else:
+        if a.prompt is None:
+            raise InputError("the diffusion backend needs --prompt TEXT")
+        kw = dict(prompt=a.prompt, negative_prompt=a.negative_prompt, seed=a.seed if a.seed is not None else 0,
+                  init_image=a.init_image, strength=a.strength, batch_size=a.batch_size or 1)
+        for name in ("steps", "guidance", "width", "height", "scheduler"):
+            if getattr(a, name) is not None:
+                kw[name] = getattr(a, name)
+        params = DiffusionParams(**kw)
+    return GenerationRequest(backend, a.model, params, flags, a.device)
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    bar = {"t": None}
+
+    def on_progress(ev):
+        if bar["t"] is None or bar["t"].total != ev.total:
+            if bar["t"] is not None:
+                bar["t"].close()
+            bar["t"] = tqdm(total=ev.total, desc=ev.stage, file=sys.stderr, leave=False)
+        bar["t"].n = ev.step
+        bar["t"].refresh()
+        if ev.step >= ev.total:
+            bar["t"].close()
+            bar["t"] = None
+    return on_progress
+
+
+def write_outputs(result, out: str, request: GenerationRequest, no_grid: bool = False) -> list[str]:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".npy":
+        np.save(path, result.raw.astype(np.float32))
+        return [str(path)]
+    if path.suffix.lower() != ".png":
+        raise InputError(f"--out must end in .png or .npy, not {path.suffix or '(none)'}")
+    metas = result.metadata or [{}] * len(result.images)
+    if len(result.images) == 1:
+        return [str(save_png(result.images[0], path, {**metas[0], "optimizations": result.optimizations}))]
+    if no_grid:
+        outs = []
+        for im, m in zip(result.images, metas):
+            tag = f"s{m.get('seed', len(outs))}" + (f"-{len(outs)}" if request.backend == "diffusion" else "")
+            outs.append(str(save_png(im, path.with_name(f"{path.stem}-{tag}.png"), {**m, "optimizations": result.optimizations})))
+        return outs
+    grid = image_grid(result.images)
+    meta = dict(metas[0])
+    meta.pop("seed", None)
+    meta["seeds"] = [m.get("seed") for m in metas]
+    meta["grid"] = True
+    return [str(save_png(grid, path, {**meta, "optimizations": result.optimizations}))]
+
+
+@cli_errors
+def main(argv: list[str], services) -> int:
+    a = build_parser().parse_args(argv)
+    flags = flags_from_args(a)
+    request = _request_from_png(a.from_png, a, flags) if a.from_png else _request_from_args(a, flags)
+    out = a.out
+    if out is None:
+        out = str(services.settings.output_dir / f"{request.backend}-{time.strftime('%Y%m%d-%H%M%S')}.png")
+    if Path(out).suffix.lower() not in (".png", ".npy"):
+        raise InputError(f"--out must end in .png or .npy, not {Path(out).suffix or '(none)'}")
+    job = Job(on_progress=_progress(a.quiet))
+    result = services.manager.generate(request, job)
+    outputs = write_outputs(result, out, request, a.no_grid)
+    summary = {
+        "outputs": outputs,
+        "backend": request.backend,
+        "model": (result.metadata[0].get("model") if result.metadata else request.model),
+        "n_images": len(result.images),
+        "latency_ms": {k: round(v, 3) for k, v in result.timings_ms.items()},
+        "total_ms": round(sum(result.timings_ms.values()), 3),
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "peak_memory_kind": "cuda-allocator" if result.device.startswith("cuda") else "cpu-rss",
+        "device": result.device,
+        "dtype": result.dtype,
+        "optimizations": result.optimizations,
+        "notes": result.notes,
+        "cancelled": result.cancelled,
+    }
+    print(json.dumps(summary, default=str))
+    return 0

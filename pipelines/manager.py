@@ -1,0 +1,113 @@
+"""The model manager owns what is on the device.
+
+It loads what a request names, caches pipelines by (backend, model, flags,
+device), and evicts the least recently used ones when the next load would
+exceed the memory budget. There is no global "current model".
+"""
+from __future__ import annotations
+
+import gc
+import threading
+from collections import OrderedDict
+from dataclasses import replace
+
+import torch
+
+from core.device import pick_device
+from core.errors import AtelierError, ModelLoadError, ResourceError
+from core.types import GenerationRequest, GenerationResult, Job
+from models.catalogue import Catalogue
+from telemetry.memory import free_device_bytes
+
+
+class ModelManager:
+    def __init__(self, catalogue: Catalogue, device: str | None = None, budget_fraction: float = 0.85,
+                 max_cached: int = 4, cache_dir=None):
+        self.catalogue = catalogue
+        self.default_device = device
+        self.budget_fraction = budget_fraction
+        self.max_cached = max_cached
+        self.cache_dir = cache_dir
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.RLock()
+        self.last_load_ms: float | None = None
+
+    def _key(self, request: GenerationRequest, device: torch.device, model_id: str) -> tuple:
+        flags = replace(request.flags, strict=False)
+        return (request.backend, model_id, flags, str(device))
+
+    def get(self, request: GenerationRequest):
+        device = pick_device(request.device or self.default_device)
+        entry = self.catalogue.resolve(request.model, request.backend)
+        key = self._key(request, device, entry.id)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            self._make_room(device, entry.size_bytes or 0)
+            pipe = self._load(request, entry, device)
+            self._cache[key] = pipe
+            while len(self._cache) > self.max_cached:
+                self._evict_one()
+            return pipe
+
+    def _load(self, request: GenerationRequest, entry, device: torch.device):
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            if request.backend == "stylegan":
+                from models.stylegan import load_generator
+                from pipelines.stylegan import StyleGANPipeline
+
+                loaded = load_generator(entry.path or entry.id, device="cpu")
+                pipe = StyleGANPipeline(loaded, request.flags, device)
+            else:
+                from pipelines import diffusion
+
+                loaded = diffusion.load_diffusion(entry.path or entry.id, device=device, flags=request.flags,
+                                                  cache_dir=self.cache_dir)
+                pipe = diffusion.DiffusionPipeline(loaded, request.flags, device)
+        except AtelierError:
+            raise
+        except torch.cuda.OutOfMemoryError:
+            raise ResourceError(f"out of GPU memory while loading {entry.id}; close other models or use a smaller precision") from None
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"could not load {entry.id}: {type(exc).__name__}: {exc}") from None
+        self.last_load_ms = (time.perf_counter() - t0) * 1e3
+        return pipe
+
+    def _make_room(self, device: torch.device, incoming_bytes: int) -> None:
+        if device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        while self._cache and (total - free_device_bytes(device)) + incoming_bytes > self.budget_fraction * total:
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        key, pipe = self._cache.popitem(last=False)
+        del pipe
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def loaded(self) -> list[dict]:
+        with self._lock:
+            return [{"backend": k[0], "model": k[1], "flags": k[2].to_dict(), "device": k[3],
+                     "bytes": getattr(p, "memory_bytes", lambda: 0)()} for k, p in self._cache.items()]
+
+    def clear(self) -> None:
+        with self._lock:
+            while self._cache:
+                self._evict_one()
+
+    def generate(self, request: GenerationRequest, job: Job | None = None) -> GenerationResult:
+        job = job or Job()
+        with job.stage("load"):
+            pipe = self.get(request)
+        try:
+            return pipe.generate(request, job)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise ResourceError("out of GPU memory for this request: lower the batch size or image size, "
+                                "or turn on a memory saver") from None

@@ -1,0 +1,206 @@
+"""StyleGAN2/3 generation: seeds -> z -> images, truncation, classes, noise modes,
+style mixing and latent interpolation.
+
+Seeds map to z exactly as NVlabs' gen_images.py does
+(`np.random.RandomState(seed).randn(1, z_dim)`), so seeds match published galleries.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.device import peak_memory_bytes, reset_peak_memory
+from core.errors import InputError
+from core.types import GenerationRequest, GenerationResult, Job, OptimizationFlags, StyleGANParams
+from pipelines.base import image_grid, module_bytes, to_uint8_images
+import optim
+
+
+def seed_to_z(seed: int, z_dim: int) -> np.ndarray:
+    return np.random.RandomState(seed).randn(1, z_dim).astype(np.float32)
+
+
+class StyleGANPipeline:
+    backend = "stylegan"
+
+    def __init__(self, loaded, flags: OptimizationFlags, device: torch.device):
+        self.loaded = loaded                      # models.stylegan.LoadedGenerator
+        self.model_id = str(loaded.source)
+        self.device = device
+        self.flags = flags
+        G = loaded.G.to(device).eval().requires_grad_(False)
+        self.G, self.optimizations = optim.prepare(G, flags, device, kind="stylegan")
+
+    # -- shape/range checks before any device work ---------------------------------
+    def check_inputs(self, p: StyleGANParams) -> None:
+        G = self.loaded.G
+        if G.c_dim == 0 and p.class_index is not None:
+            raise InputError("this model is unconditional: leave the class empty")
+        if G.c_dim > 0:
+            if p.class_index is None:
+                raise InputError(f"this model is conditional: choose a class index in 0..{G.c_dim - 1}")
+            if not (0 <= int(p.class_index) < G.c_dim):
+                raise InputError(f"class index {p.class_index} is out of range: this model has {G.c_dim} classes (0..{G.c_dim - 1})")
+        if p.truncation_cutoff is not None and int(p.truncation_cutoff) > G.num_ws:
+            raise InputError(f"truncation cutoff {p.truncation_cutoff} exceeds the model's {G.num_ws} style layers")
+
+    def memory_bytes(self) -> int:
+        return module_bytes(self.G) if isinstance(self.G, torch.nn.Module) else module_bytes(self.loaded.G)
+
+    def _label(self, class_index: int | None, n: int) -> torch.Tensor:
+        c = torch.zeros([n, self.loaded.G.c_dim], device=self.device)
+        if class_index is not None and self.loaded.G.c_dim > 0:
+            c[:, int(class_index)] = 1
+        return c
+
+    def _noise_mode(self, mode: str) -> str:
+        return mode
+
+    def _synthesize(self, z: torch.Tensor, c: torch.Tensor, p: StyleGANParams) -> torch.Tensor:
+        with optim.runtime(self.flags, self.device):
+            img = self.G(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff,
+                         noise_mode=p.noise_mode)
+        return img.float()
+
+    # -- the main entry point --------------------------------------------------------
+    def generate(self, request: GenerationRequest, job: Job) -> GenerationResult:
+        p = request.params
+        assert isinstance(p, StyleGANParams)
+        # 1. check inputs
+        self.check_inputs(p)
+        G = self.loaded.G
+        reset_peak_memory(self.device)
+        # 2. seeds -> latents (on the CPU, so a seed means the same image on every device)
+        with job.stage("latents"):
+            zs = np.concatenate([seed_to_z(s, G.z_dim) for s in p.seeds])
+        # 3. synthesis in batches, one progress step per batch
+        outs = []
+        n_batches = math.ceil(len(p.seeds) / p.batch_size)
+        with job.stage("synthesis"):
+            for b in range(n_batches):
+                zb = torch.from_numpy(zs[b * p.batch_size:(b + 1) * p.batch_size]).to(self.device)
+                outs.append(self._synthesize(zb, self._label(p.class_index, len(zb)), p).cpu())
+                job.step(b + 1, n_batches)
+        raw = torch.cat(outs).numpy().astype(np.float32)
+        # 4. postprocess
+        with job.stage("postprocess"):
+            images = to_uint8_images(raw)
+        if not np.isfinite(raw).all():
+            raise InputError("the generator produced non-finite values (NaN/Inf) with these settings; "
+                             "try fp32 precision or a smaller truncation ψ")
+        total_ms = sum(job.timings_ms.values())
+        meta_common = {
+            "backend": "stylegan", "model": self.model_id, "model_hash": self.loaded.sha256[:10],
+            "arch": self.loaded.arch, "truncation_psi": float(p.truncation_psi),
+            "truncation_cutoff": p.truncation_cutoff, "noise_mode": p.noise_mode, "class_index": p.class_index,
+            "width": int(raw.shape[-1]), "height": int(raw.shape[-2]),
+            "flags": request.flags.to_dict(), "latency_ms": round(total_ms, 3),
+            "peak_vram_bytes": peak_memory_bytes(self.device), "device": str(self.device),
+        }
+        return GenerationResult(
+            images=images, raw=raw, timings_ms=dict(job.timings_ms), peak_memory_bytes=peak_memory_bytes(self.device),
+            device=str(self.device), dtype=self.optimizations.get("precision", {}).get("mode", "fp32"),
+            optimizations=self.optimizations, metadata=[{**meta_common, "seed": s} for s in p.seeds],
+        )
+
+    # -- style mixing: rows take coarse styles from row seeds, columns the rest ---------
+    def style_mix(self, row_seeds: list[int], col_seeds: list[int], layers: tuple[int, int], p: StyleGANParams,
+                  job: Job | None = None):
+        """Grid with the row seeds' styles on layers [lo, hi) mixed into the column seeds' styles.
+        Returns (grid image, raw tensor [rows+1, cols+1, C, H, W] with the plain rows/columns included)."""
+        self.check_inputs(p)
+        G = self.loaded.G
+        lo, hi = int(layers[0]), int(layers[1])
+        if not (0 <= lo < hi <= G.num_ws):
+            raise InputError(f"style-mixing layers must satisfy 0 ≤ from < to ≤ {G.num_ws}; got {lo}..{hi}")
+        if not row_seeds or not col_seeds:
+            raise InputError("style mixing needs at least one row seed and one column seed")
+        seeds = list(dict.fromkeys(list(row_seeds) + list(col_seeds)))
+        z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
+        c = self._label(p.class_index, len(seeds))
+        with torch.no_grad(), optim.runtime(self.flags, self.device):
+            ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
+            w_of = {s: ws[i] for i, s in enumerate(seeds)}
+            pairs = [(r, cc) for r in row_seeds for cc in col_seeds]
+            mixed = torch.stack([w_of[cc].clone() for r, cc in pairs])
+            for i, (r, cc) in enumerate(pairs):
+                mixed[i, lo:hi] = w_of[r][lo:hi]
+            plain = self.G.synthesis(ws, noise_mode=p.noise_mode).float().cpu()
+            mix_imgs = self.G.synthesis(mixed, noise_mode=p.noise_mode).float().cpu()
+        img_of = {s: plain[i] for i, s in enumerate(seeds)}
+        blank = torch.full_like(plain[0], 1.0)
+        cells = [blank] + [img_of[cc] for cc in col_seeds]
+        for ri, r in enumerate(row_seeds):
+            cells.append(img_of[r])
+            cells.extend(mix_imgs[ri * len(col_seeds):(ri + 1) * len(col_seeds)])
+        raw = torch.stack(cells)
+        grid = image_grid(to_uint8_images(raw), cols=len(col_seeds) + 1)
+        if job is not None:
+            job.step(1, 1)
+        return grid, raw.numpy()
+
+    # -- interpolation: slerp in z, lerp in w --------------------------------------------
+    def interpolate(self, seeds: list[int], frames_per_seed: int, p: StyleGANParams, space: str = "w",
+                    job: Job | None = None) -> list:
+        """Frames moving through `seeds` in order (looping back to the first)."""
+        self.check_inputs(p)
+        if len(seeds) < 2:
+            raise InputError("interpolation needs at least two seeds")
+        if not (2 <= frames_per_seed <= 240):
+            raise InputError("frames per seed must be between 2 and 240")
+        G = self.loaded.G
+        z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
+        c = self._label(p.class_index, len(seeds))
+        frames = []
+        total = len(seeds) * frames_per_seed
+        with torch.no_grad(), optim.runtime(self.flags, self.device):
+            ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
+            k = 0
+            for i in range(len(seeds)):
+                j = (i + 1) % len(seeds)
+                for f in range(frames_per_seed):
+                    t = f / frames_per_seed
+                    if space == "z":
+                        zt = _slerp(z[i:i + 1], z[j:j + 1], t)
+                        w = self.G.mapping(zt, c[:1], truncation_psi=float(p.truncation_psi),
+                                           truncation_cutoff=p.truncation_cutoff)
+                    else:
+                        w = torch.lerp(ws[i:i + 1], ws[j:j + 1], t)
+                    img = self.G.synthesis(w, noise_mode="const" if p.noise_mode == "random" else p.noise_mode)
+                    frames.append(to_uint8_images(img.float().cpu())[0])
+                    k += 1
+                    if job is not None:
+                        job.step(k, total)
+        return frames
+
+
+def _slerp(a: torch.Tensor, b: torch.Tensor, t: float) -> torch.Tensor:
+    an, bn = a / a.norm(dim=-1, keepdim=True), b / b.norm(dim=-1, keepdim=True)
+    omega = torch.acos((an * bn).sum(-1, keepdim=True).clamp(-1, 1))
+    so = torch.sin(omega)
+    if float(so.abs().min()) < 1e-6:
+        return torch.lerp(a, b, t)
+    return (torch.sin((1 - t) * omega) / so) * a + (torch.sin(t * omega) / so) * b
+
+
+def write_animation(frames: list, path: str | Path, fps: int = 24) -> Path:
+    """GIF always; MP4 when imageio-ffmpeg is installed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".gif":
+        frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+        return path
+    if path.suffix.lower() == ".mp4":
+        try:
+            import imageio.v2 as imageio
+            import imageio_ffmpeg  # noqa: F401
+        except ImportError:
+            raise InputError("writing MP4 needs imageio-ffmpeg (pip install imageio-ffmpeg); write a .gif instead") from None
+        with imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1) as w:
+            for fr in frames:
+                w.append_data(np.asarray(fr.convert("RGB")))
+        return path
+    raise InputError(f"animation must be written as .gif or .mp4, not {path.suffix!r}")
