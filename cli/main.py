@@ -43,7 +43,7 @@ def models_cmd(argv, services) -> int:
 
 @cli_errors
 def convert_cmd(argv, services) -> int:
-    from models.stylegan import convert_pickle
+    from pipelines.tools import convert_stylegan_pickle as convert_pickle
 
     p = argparse.ArgumentParser(prog="app.py convert", description="NVlabs .pkl -> Atelier .safetensors + .json")
     p.add_argument("src")

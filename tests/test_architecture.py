@@ -13,8 +13,8 @@ ALLOWED = {
     "evaluation": {"core", "evaluation"},
     "pipelines": {"core", "models", "optim", "telemetry", "pipelines"},
     "training": {"core", "models", "telemetry", "evaluation", "training"},
-    "ui": {"pipelines", "training", "evaluation", "telemetry", "core", "ui", "models", "optim"},
-    "cli": {"pipelines", "training", "evaluation", "telemetry", "core", "cli", "models", "optim"},
+    "ui": {"pipelines", "training", "evaluation", "telemetry", "core", "ui"},
+    "cli": {"pipelines", "training", "evaluation", "telemetry", "core", "cli"},
 }
 PROJECT = set(ALLOWED) | {"app"}
 
