@@ -1,0 +1,454 @@
+"""Load and save StyleGAN generators: NVlabs pickles, our safetensors format, weights-only .pt.
+
+Formats, safest first:
+
+- **ours**: `NAME.safetensors` (the state dict) + `NAME.json`
+  (`{"format": "atelier-stylegan/1", "arch": "stylegan2"|"stylegan3", "init_kwargs": {...},
+  "metadata": {...}}`). Loaded with safetensors and json only; pickle is never involved.
+  The config is also embedded in the safetensors header, so a lone .safetensors still loads.
+- **.pt / .ckpt / .pth**: `torch.load(weights_only=True)` of a plain state dict, plus the
+  same JSON sidecar for the architecture.
+- **NVlabs .pkl** (every public StyleGAN2/2-ADA/3 checkpoint): read by
+  `models.nvlabs_pickle`, which only rebuilds records from an allow-list and never runs the
+  source code embedded in the pickle; the records become our own classes here.
+
+`convert_pickle` turns the last into the first. Every problem is a ModelLoadError with a
+message that says what to do; UnsafeModelError (a pickle that asks to run code) passes through.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import InputError, ModelLoadError, UnsafeModelError
+from models import stylegan2
+from models.nvlabs_pickle import PersistentRecord, read_network_pickle
+
+__all__ = [
+    "FORMAT",
+    "ARCHS",
+    "LoadedGenerator",
+    "Snapshot",
+    "load_generator",
+    "save_generator",
+    "convert_pickle",
+    "load_snapshot",
+    "build_generator",
+    "detect_arch",
+]
+
+FORMAT = "atelier-stylegan/1"
+ARCHS = ("stylegan2", "stylegan3")
+PICKLE_SUFFIXES = (".pkl",)
+TORCH_SUFFIXES = (".pt", ".ckpt", ".pth")
+OUR_SUFFIXES = (".safetensors", ".json")
+_HEADER_KEY = "atelier_config"  # where the JSON config sits in the safetensors header
+
+
+@dataclass
+class LoadedGenerator:
+    """A generator ready for inference: eval mode, no gradients, float32 on `device`."""
+
+    G: torch.nn.Module
+    arch: str                          # 'stylegan2' | 'stylegan3'
+    config: dict                       # {"format", "arch", "init_kwargs", "metadata"}
+    source: Path                       # the file it was loaded from
+    sha256: str                        # hex digest of that file (short form: `short_hash`)
+    metadata: dict = field(default_factory=dict)  # z_dim, c_dim, w_dim, num_ws, resolution, img_channels + saved extras
+
+    @property
+    def short_hash(self) -> str:
+        return self.sha256[:10]
+
+    @property
+    def c_dim(self) -> int:
+        return int(self.metadata["c_dim"])
+
+    @property
+    def z_dim(self) -> int:
+        return int(self.metadata["z_dim"])
+
+    @property
+    def resolution(self) -> int:
+        return int(self.metadata["resolution"])
+
+    @property
+    def num_ws(self) -> int:
+        return int(self.metadata["num_ws"])
+
+
+@dataclass
+class Snapshot:
+    """The networks of an NVlabs training snapshot, for fine-tuning or resuming training.
+
+    G and D are in train mode with gradients on; G_ema is in eval mode without gradients.
+    """
+
+    G: torch.nn.Module
+    D: torch.nn.Module
+    G_ema: torch.nn.Module
+    arch: str
+    G_kwargs: dict
+    D_kwargs: dict
+    training_set_kwargs: dict
+    source: Path
+    sha256: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stylegan3_module():
+    """models.stylegan3, imported only when a StyleGAN3 network is met."""
+    try:
+        import models.stylegan3 as sg3
+    except ModuleNotFoundError as exc:
+        if exc.name == "models.stylegan3":
+            raise ModelLoadError("this is a StyleGAN3 network, but StyleGAN3 support (models/stylegan3.py) is not "
+                                 "installed in this build; use a StyleGAN2 model or update Atelier") from None
+        raise
+    return sg3
+
+
+def build_generator(arch: str, init_kwargs: dict) -> torch.nn.Module:
+    """A freshly initialised generator of `arch` from NVlabs-style constructor kwargs."""
+    if arch == "stylegan2":
+        cls = stylegan2.Generator
+    elif arch == "stylegan3":
+        cls = _stylegan3_module().Generator
+    else:
+        raise ModelLoadError(f"unknown StyleGAN architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+    if not isinstance(init_kwargs, dict):
+        raise ModelLoadError(f"the model config's init_kwargs must be a JSON object, got {type(init_kwargs).__name__}")
+    try:
+        return cls(**init_kwargs)
+    except (TypeError, InputError, ValueError) as exc:
+        raise ModelLoadError(f"cannot build a {arch} generator from the config {init_kwargs}: {exc}") from None
+
+
+def detect_arch(rec: PersistentRecord) -> str:
+    """'stylegan3' when the synthesis network starts from Fourier features, else 'stylegan2'."""
+    if rec.class_name != "Generator":
+        raise ModelLoadError(f"expected a StyleGAN 'Generator' in the pickle, found {rec.class_name!r}")
+    synthesis = rec.children.get("synthesis")
+    if synthesis is None:
+        raise ModelLoadError("the pickled generator has no synthesis network; it is not a StyleGAN generator")
+    if synthesis.find("SynthesisInput") or "input" in synthesis.children:
+        return "stylegan3"
+    if synthesis.find("SynthesisBlock"):
+        return "stylegan2"
+    raise ModelLoadError("the pickled generator is neither StyleGAN2 (SynthesisBlock) nor StyleGAN3 "
+                         "(SynthesisInput); this architecture is not supported")
+
+
+def _generator_from_record(rec: PersistentRecord) -> tuple[torch.nn.Module, str]:
+    arch = detect_arch(rec)
+    if arch == "stylegan3":
+        G = _stylegan3_module().generator_from_record(rec)
+    else:
+        G = stylegan2.generator_from_record(rec)
+    return G, arch
+
+
+def _check_finite(state: dict[str, torch.Tensor], what: str) -> None:
+    bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        listed = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+        raise ModelLoadError(f"{what} contains NaN or Inf weights ({listed}); the file is corrupt or the training "
+                             "diverged. Use an earlier snapshot.")
+
+
+def _derived_metadata(G: torch.nn.Module) -> dict:
+    return {
+        "z_dim": int(G.z_dim),
+        "c_dim": int(G.c_dim),
+        "w_dim": int(G.w_dim),
+        "num_ws": int(G.num_ws),
+        "resolution": int(G.img_resolution),
+        "img_channels": int(G.img_channels),
+    }
+
+
+def _finish(G: torch.nn.Module, arch: str, config: dict, source: Path, device) -> LoadedGenerator:
+    G = G.to(device).eval().requires_grad_(False)
+    metadata = {**dict(config.get("metadata") or {}), **_derived_metadata(G)}
+    return LoadedGenerator(G=G, arch=arch, config=config, source=source, sha256=_file_sha256(source),
+                           metadata=metadata)
+
+
+def _resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    try:
+        return names[str(dtype).lower()]
+    except KeyError:
+        raise InputError(f"unknown weight dtype {dtype!r}; use fp32, fp16 or bf16") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Our format: safetensors + JSON
+
+
+def _sidecar_paths(path: Path) -> tuple[Path, Path]:
+    """NAME.safetensors / NAME.json (either may be given)."""
+    return path.with_suffix(".safetensors"), path.with_suffix(".json")
+
+
+def _validate_config(config: Any, where: str) -> dict:
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{where} is not a JSON object; expected an Atelier StyleGAN config")
+    if config.get("format") != FORMAT:
+        raise ModelLoadError(f"{where} has format {config.get('format')!r}; expected {FORMAT!r}. "
+                             "Re-convert the model with `convert_pickle` / the CLI's convert command.")
+    if config.get("arch") not in ARCHS:
+        raise ModelLoadError(f"{where} names architecture {config.get('arch')!r}; expected one of {', '.join(ARCHS)}")
+    if not isinstance(config.get("init_kwargs"), dict):
+        raise ModelLoadError(f"{where} has no 'init_kwargs' object describing the network")
+    return config
+
+
+def _read_json_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the model config {path.name}: {exc}") from None
+    return _validate_config(config, path.name)
+
+
+def _load_ours(path: Path, device) -> LoadedGenerator:
+    from safetensors import SafetensorError
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    weights, sidecar = _sidecar_paths(path)
+    if not weights.is_file():
+        raise ModelLoadError(f"the weights file {weights} is missing (a .json config needs its .safetensors next to it)")
+    try:
+        state = load_file(str(weights), device="cpu")
+        if sidecar.is_file():
+            config = _read_json_config(sidecar)
+        else:
+            with safe_open(str(weights), framework="pt") as fh:
+                header = (fh.metadata() or {}).get(_HEADER_KEY)
+            if header is None:
+                raise ModelLoadError(f"{weights.name} has no config: put its {sidecar.name} next to it "
+                                     "(written by save_generator / convert_pickle)")
+            try:
+                config = _validate_config(json.loads(header), f"the config inside {weights.name}")
+            except json.JSONDecodeError as exc:
+                raise ModelLoadError(f"the config inside {weights.name} is not valid JSON: {exc}") from None
+    except SafetensorError as exc:
+        raise ModelLoadError(f"{weights.name} is not a valid safetensors file: {exc}") from None
+    _check_finite(state, weights.name)
+    G = build_generator(config["arch"], config["init_kwargs"])
+    stylegan2.load_state_strict(G, state, f"{config['arch']} generator of {weights.name}")
+    return _finish(G, config["arch"], config, weights, device)
+
+
+def _write_ours(state: dict[str, torch.Tensor], config: dict, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    weights, sidecar = _sidecar_paths(path)
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config, indent=2, sort_keys=True)
+    # Write to temporary names first so a crash never leaves a half-written model that looks complete.
+    tmp_w, tmp_j = weights.with_name(weights.name + ".tmp"), sidecar.with_name(sidecar.name + ".tmp")
+    save_file(state, str(tmp_w), metadata={_HEADER_KEY: text, "format": FORMAT})
+    tmp_j.write_text(text + "\n", encoding="utf-8")
+    tmp_w.replace(weights)
+    tmp_j.replace(sidecar)
+    return weights
+
+
+def save_generator(G: torch.nn.Module, path: str | Path, arch: str, metadata: dict | None = None,
+                   dtype=None) -> Path:
+    """Write G as NAME.safetensors + NAME.json; returns the .safetensors path.
+
+    dtype='fp16' halves the file for shipping (floating tensors are rounded; loading
+    builds a float32 network from them). `metadata` is free-form JSON (description,
+    license, training info) kept under config['metadata'].
+    """
+    if arch not in ARCHS:
+        raise InputError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    init_kwargs = getattr(G, "init_kwargs", None)
+    if not isinstance(init_kwargs, dict):
+        raise InputError("this module has no init_kwargs dict; only Atelier StyleGAN generators can be saved")
+    target = _resolve_dtype(dtype)
+    state = {}
+    for k, t in G.state_dict().items():
+        t = t.detach().to("cpu")
+        if target is not None and t.is_floating_point():
+            t = t.to(target)
+        state[k] = t.contiguous().clone()
+    _check_finite(state, "the generator to save")
+    config = {
+        "format": FORMAT,
+        "arch": arch,
+        "init_kwargs": stylegan2.jsonable(init_kwargs),
+        "dtype": str(next(iter(state.values())).dtype).replace("torch.", "") if state else "float32",
+        "metadata": stylegan2.jsonable(dict(metadata or {})),
+    }
+    path = Path(path)
+    if path.suffix not in OUR_SUFFIXES:
+        path = path.with_name(path.name + ".safetensors")
+    return _write_ours(state, config, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights-only torch checkpoints
+
+
+def _load_torch(path: Path, device) -> LoadedGenerator:
+    _, sidecar = _sidecar_paths(path)
+    if not sidecar.is_file():
+        raise ModelLoadError(f"{path.name} is a bare PyTorch checkpoint; put its config {sidecar.name} next to it "
+                             f"(format {FORMAT!r}: arch and init_kwargs) so the network can be built")
+    config = _read_json_config(sidecar)
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        msg = str(exc)
+        if "Unsupported global" in msg or "Weights only load failed" in msg:
+            raise UnsafeModelError(
+                f"refusing to load {path.name}: it asks to build Python objects beyond plain tensors "
+                "(torch.load with weights_only=True rejected it). If it is an NVlabs network pickle, name it .pkl; "
+                "otherwise re-save it as a plain state dict or safetensors.") from None
+        raise ModelLoadError(f"could not read {path.name}: {msg.splitlines()[0] if msg else exc!r}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read {path.name} as a PyTorch checkpoint: {type(exc).__name__}: {exc}") from None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                      for k, v in obj.items()):
+        raise ModelLoadError(f"{path.name} does not hold a state dict (a mapping of names to tensors)")
+    _check_finite(obj, path.name)
+    G = build_generator(config["arch"], config["init_kwargs"])
+    stylegan2.load_state_strict(G, obj, f"{config['arch']} generator of {path.name}")
+    return _finish(G, config["arch"], config, path, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVlabs pickles
+
+
+def _pick(networks: dict, which: str, path: Path) -> PersistentRecord:
+    rec = networks.get(which)
+    if not isinstance(rec, PersistentRecord):
+        have = ", ".join(k for k, v in networks.items() if isinstance(v, PersistentRecord)) or "none"
+        raise ModelLoadError(f"{path.name} has no network {which!r} (it has: {have})")
+    return rec
+
+
+def _load_pickle(path: Path, device, which: str = "G_ema") -> LoadedGenerator:
+    networks = read_network_pickle(path)
+    rec = _pick(networks, which, path)
+    _check_finite(rec.state_dict(), f"{path.name} ({which})")
+    G, arch = _generator_from_record(rec)
+    config = {"format": FORMAT, "arch": arch, "init_kwargs": G.init_kwargs,
+              "metadata": {"source_format": "nvlabs-pickle", "network": which}}
+    return _finish(G, arch, config, path, device)
+
+
+def _safe_jsonable(value: Any) -> Any:
+    try:
+        return stylegan2.jsonable(dict(value))
+    except (InputError, TypeError, ValueError):
+        return {}
+
+
+def convert_pickle(src: str | Path, dst: str | Path, which: str = "G_ema", dtype=None,
+                   metadata: dict | None = None) -> Path:
+    """NVlabs network pickle -> our NAME.safetensors + NAME.json. Returns the .safetensors path.
+
+    `dst` may be a directory (the pickle's stem is used) or a file name.
+    """
+    src = Path(src)
+    if not src.is_file():
+        raise ModelLoadError(f"model file not found: {src}")
+    if src.suffix.lower() not in PICKLE_SUFFIXES:
+        raise ModelLoadError(f"{src.name} is not an NVlabs network pickle (.pkl); nothing to convert")
+    if which not in ("G_ema", "G"):
+        raise InputError(f"which must be 'G_ema' or 'G', got {which!r}")
+    networks = read_network_pickle(src)
+    rec = _pick(networks, which, src)
+    _check_finite(rec.state_dict(), f"{src.name} ({which})")
+    G, arch = _generator_from_record(rec)
+    dst = Path(dst)
+    if dst.is_dir():
+        dst = dst / (src.stem + ".safetensors")
+    meta = {
+        "source_format": "nvlabs-pickle",
+        "source_file": src.name,
+        "source_sha256": _file_sha256(src),
+        "network": which,
+    }
+    if isinstance(networks.get("training_set_kwargs"), dict):
+        meta["training_set_kwargs"] = _safe_jsonable(networks["training_set_kwargs"])
+    meta.update(metadata or {})
+    return save_generator(G, dst, arch, metadata=meta, dtype=dtype)
+
+
+def load_snapshot(path: str | Path) -> Snapshot:
+    """G, D and G_ema of an NVlabs training snapshot (.pkl), as our modules on the CPU."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"snapshot file not found: {path}")
+    if path.suffix.lower() not in PICKLE_SUFFIXES:
+        raise ModelLoadError(f"{path.name}: training snapshots are NVlabs network pickles (.pkl)")
+    networks = read_network_pickle(path)
+    recs = {k: _pick(networks, k, path) for k in ("G", "D", "G_ema")}
+    for k, rec in recs.items():
+        _check_finite(rec.state_dict(), f"{path.name} ({k})")
+    G, arch = _generator_from_record(recs["G"])
+    G_ema, arch_ema = _generator_from_record(recs["G_ema"])
+    if arch != arch_ema:
+        raise ModelLoadError(f"{path.name}: G is {arch} but G_ema is {arch_ema}; the snapshot is inconsistent")
+    # StyleGAN3 training also uses the StyleGAN2 discriminator.
+    D = stylegan2.discriminator_from_record(recs["D"])
+    G.train().requires_grad_(True)
+    D.train().requires_grad_(True)
+    G_ema.eval().requires_grad_(False)
+    tsk = networks.get("training_set_kwargs")
+    return Snapshot(G=G, D=D, G_ema=G_ema, arch=arch, G_kwargs=G.init_kwargs, D_kwargs=D.init_kwargs,
+                    training_set_kwargs=_safe_jsonable(tsk) if isinstance(tsk, dict) else {},
+                    source=path, sha256=_file_sha256(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def load_generator(path: str | Path, device: str | torch.device = "cpu") -> LoadedGenerator:
+    """Load a StyleGAN generator from .pkl (NVlabs), .safetensors/.json (ours) or .pt/.ckpt/.pth."""
+    path = Path(path).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in OUR_SUFFIXES:
+        weights, sidecar = _sidecar_paths(path)
+        if not weights.is_file() and not sidecar.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        return _load_ours(path, device)
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    if suffix in PICKLE_SUFFIXES:
+        return _load_pickle(path, device)
+    if suffix in TORCH_SUFFIXES:
+        return _load_torch(path, device)
+    raise ModelLoadError(f"{path.name}: unknown model file type {suffix or '(none)'}; StyleGAN models are NVlabs "
+                         ".pkl pickles, Atelier .safetensors + .json, or .pt/.ckpt state dicts with a .json config")
