@@ -116,12 +116,18 @@ def _upsample_1d(x: torch.Tensor, f: torch.Tensor, up: int, pad0: int, pad1: int
         x = x.narrow(dim, first, last - first + 1)
         start -= first * up
     full_len = (x.shape[dim] - 1) * up + taps
+    crop_lo, crop_hi = start, full_len - start - out_len
     w = (f * up).to(x.dtype)
-    if dim == 3:
-        y = F.conv_transpose2d(x, w.view(1, 1, 1, taps), stride=(1, up))
-    else:
-        y = F.conv_transpose2d(x, w.view(1, 1, taps, 1), stride=(up, 1))
-    return _pad_dim(y, dim, -start, start + out_len - full_len)
+    w = w.view(1, 1, 1, taps) if dim == 3 else w.view(1, 1, taps, 1)
+    stride = (1, up) if dim == 3 else (up, 1)
+    if 0 <= crop_hi <= crop_lo < crop_hi + up:
+        # The crop is (nearly) symmetric, which the transposed convolution does itself
+        # (`padding` crops both ends, `output_padding` gives back up to up-1 samples at the end):
+        # no extra pass over the upsampled tensor.
+        pad = (0, crop_lo) if dim == 3 else (crop_lo, 0)
+        out_pad = (0, crop_lo - crop_hi) if dim == 3 else (crop_lo - crop_hi, 0)
+        return F.conv_transpose2d(x, w, stride=stride, padding=pad, output_padding=out_pad)
+    return _pad_dim(F.conv_transpose2d(x, w, stride=stride), dim, -crop_lo, -crop_hi)
 
 
 def _upsample_2d(x: torch.Tensor, f: torch.Tensor, up: int, padding: list[int]) -> torch.Tensor:
@@ -189,21 +195,24 @@ def filtered_lrelu(
     else:
         x = _upsample_2d(x, up_filter, up, [px0, px1, py0, py1])
 
+    # gain * clamp(y, c / gain) == clamp(gain * y, c), and the gain commutes with the linear
+    # down filter, so it rides on the filter taps instead of costing a pass over the largest tensor.
+    fold_gain = down_filter is not None
     if slope != 1:
         x = F.leaky_relu(x, slope)
-    if gain != 1:
-        x = x * gain
     if clamp is not None:
-        x = x.clamp(-clamp, clamp)
+        x = x.clamp(-clamp / gain, clamp / gain) if fold_gain else x.clamp(-clamp, clamp)
+    if gain != 1 and not fold_gain:
+        x = x * gain
 
     if down_filter is None:
         if down != 1:
             x = x[:, :, ::down, ::down]
     elif down_filter.ndim == 1:
         x = _downsample_1d(x, down_filter, down, dim=2)
-        x = _downsample_1d(x, down_filter, down, dim=3)
+        x = _downsample_1d(x, down_filter * gain, down, dim=3)
     else:
-        x = F.conv2d(x, down_filter.flip([0, 1]).to(x.dtype)[None, None], stride=down)
+        x = F.conv2d(x, (down_filter * gain).flip([0, 1]).to(x.dtype)[None, None], stride=down)
 
     x = x.reshape(n, c, x.shape[2], x.shape[3])
     assert x.shape[2] == out_h and x.shape[3] == out_w, (tuple(x.shape), out_h, out_w)
