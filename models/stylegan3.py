@@ -219,37 +219,48 @@ def filtered_lrelu(
     return x
 
 
+def _full_precision(x: torch.Tensor):
+    """Autocast off for the small per-sample math (mapping, Fourier phases, styles, demodulation).
+
+    Under AMP only the big convolutions should drop to fp16/bf16: Fourier phases in
+    bf16 visibly shift the image, and demodulation sums overflow fp16.
+    """
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
 def modulated_conv2d(
     x: torch.Tensor,                   # [N, I, H, W]
     weight: torch.Tensor,              # [O, I, k, k]
     styles: torch.Tensor,              # [N, I]
     demodulate: bool = True,
     padding: int = 0,
-    input_gain: torch.Tensor | None = None,  # [] or [I] or [N, I]
-) -> torch.Tensor:
+    input_gain: torch.Tensor | None = None,  # [], [I] or [N, I]: scale of each input channel
+) -> torch.Tensor:                     # [N, O, H + 2 * padding - k + 1, ...]
     """StyleGAN3's modulated convolution: per-sample weights w * s, demodulated per output channel.
 
-    Written as scale-input, shared convolution, scale-output (mathematically the
-    same as NVlabs' grouped convolution with per-sample weights), so one ordinary
-    convolution serves the whole batch.
+    The per-sample weights are built in fp32 and the batch runs as one grouped
+    convolution (for batch 1, a plain convolution). Folding styles, demodulation
+    and input gain into the small weight tensor costs no pass over the activations
+    and keeps the convolution's output at unit scale, which fp16 needs.
     """
-    n, in_ch = styles.shape
-    if demodulate:
-        # Pre-normalise so fp16/bf16 do not overflow in the products below. NVlabs takes the
-        # style RMS over the whole batch; the factor cancels in demodulation either way, and a
-        # per-sample RMS keeps each sample independent of its batch-mates.
-        weight = weight * weight.square().mean([1, 2, 3], keepdim=True).rsqrt()
-        styles = styles * styles.square().mean(dim=1, keepdim=True).rsqrt()
-    x_scale = styles
-    if input_gain is not None:
-        x_scale = x_scale * input_gain.to(styles.dtype)
-    x = x * x_scale.to(x.dtype).view(n, in_ch, 1, 1)
-    x = F.conv2d(x, weight.to(x.dtype), padding=padding)
-    if demodulate:
-        # sum_{i,k} (w[o,i,k] * s[n,i])**2 for every (n, o), as one matmul.
-        dcoefs = (styles.square() @ weight.square().sum(dim=[2, 3]).t() + 1e-8).rsqrt()  # [N, O]
-        x = x * dcoefs.to(x.dtype).view(n, -1, 1, 1)
-    return x
+    n, in_ch, h, w = x.shape
+    out_ch, _, kh, kw = weight.shape
+    with _full_precision(x):
+        weight, styles = weight.float(), styles.float()
+        if demodulate:
+            # Pre-normalise so the products below stay in range. NVlabs takes the style RMS
+            # over the whole batch; the factor cancels in demodulation either way, and a
+            # per-sample RMS keeps each sample independent of its batch-mates.
+            weight = weight * weight.square().mean([1, 2, 3], keepdim=True).rsqrt()
+            styles = styles * styles.square().mean(dim=1, keepdim=True).rsqrt()
+        wts = weight.unsqueeze(0) * styles.view(n, 1, in_ch, 1, 1)                   # [N, O, I, k, k]
+        if demodulate:
+            wts = wts * (wts.square().sum(dim=[2, 3, 4], keepdim=True) + 1e-8).rsqrt()
+        if input_gain is not None:
+            wts = wts * input_gain.float().expand(n, in_ch).view(n, 1, in_ch, 1, 1)
+    x = x.reshape(1, n * in_ch, h, w)
+    x = F.conv2d(x, wts.reshape(n * out_ch, in_ch, kh, kw).to(x.dtype), padding=padding, groups=n)
+    return x.reshape(n, out_ch, x.shape[2], x.shape[3])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,23 +346,24 @@ class MappingNetwork(torch.nn.Module):
         if truncation_cutoff is None:
             truncation_cutoff = self.num_ws
 
-        # Normalise the second moment of each input so its scale does not matter.
-        x = z.to(torch.float32)
-        x = x * (x.square().mean(1, keepdim=True) + 1e-8).rsqrt()
-        if self.c_dim > 0:
-            if c is None:
-                raise InputError(f"this generator is conditional: pass a label tensor c of shape [N, {self.c_dim}]")
-            _assert_shape(c, [z.shape[0], self.c_dim], "c")
-            y = self.embed(c.to(torch.float32))
-            y = y * (y.square().mean(1, keepdim=True) + 1e-8).rsqrt()
-            x = torch.cat([x, y], dim=1)
+        with _full_precision(z):  # w is tiny and every layer depends on it
+            # Normalise the second moment of each input so its scale does not matter.
+            x = z.to(torch.float32)
+            x = x * (x.square().mean(1, keepdim=True) + 1e-8).rsqrt()
+            if self.c_dim > 0:
+                if c is None:
+                    raise InputError(f"this generator is conditional: pass a label tensor c of shape [N, {self.c_dim}]")
+                _assert_shape(c, [z.shape[0], self.c_dim], "c")
+                y = self.embed(c.to(torch.float32))
+                y = y * (y.square().mean(1, keepdim=True) + 1e-8).rsqrt()
+                x = torch.cat([x, y], dim=1)
 
-        for idx in range(self.num_layers):
-            x = getattr(self, f"fc{idx}")(x)
+            for idx in range(self.num_layers):
+                x = getattr(self, f"fc{idx}")(x)
 
-        if update_emas:
-            with torch.no_grad():
-                self.w_avg.copy_(x.detach().mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
+            if update_emas:
+                with torch.no_grad():
+                    self.w_avg.copy_(x.detach().mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
 
         ws = x.unsqueeze(1).repeat([1, self.num_ws, 1])
         if truncation_psi != 1:
@@ -402,29 +414,30 @@ class SynthesisInput(torch.nn.Module):
         _assert_shape(w, [None, self.w_dim], "w")
         n = w.shape[0]
 
-        # Rotation (r_c, r_s) normalised to unit length, and translation (t_x, t_y).
-        t = self.affine(w)
-        t = t / t[:, :2].norm(dim=1, keepdim=True)
-        rc, rs, tx, ty = t.unbind(dim=1)
-        zero, one = torch.zeros_like(rc), torch.ones_like(rc)
-        m_r = torch.stack([rc, -rs, zero, rs, rc, zero, zero, zero, one], dim=1).view(n, 3, 3)
-        m_t = torch.stack([one, zero, -tx, zero, one, -ty, zero, zero, one], dim=1).view(n, 3, 3)
-        # Rotate the output image first, then translate, then apply the user's transform.
-        transforms = m_r @ m_t @ self.transform.unsqueeze(0)
+        with _full_precision(w):  # phases in fp16/bf16 would visibly shift the image
+            # Rotation (r_c, r_s) normalised to unit length, and translation (t_x, t_y).
+            t = self.affine(w)
+            t = t / t[:, :2].norm(dim=1, keepdim=True)
+            rc, rs, tx, ty = t.unbind(dim=1)
+            zero, one = torch.zeros_like(rc), torch.ones_like(rc)
+            m_r = torch.stack([rc, -rs, zero, rs, rc, zero, zero, zero, one], dim=1).view(n, 3, 3)
+            m_t = torch.stack([one, zero, -tx, zero, one, -ty, zero, zero, one], dim=1).view(n, 3, 3)
+            # Rotate the output image first, then translate, then apply the user's transform.
+            transforms = m_r @ m_t @ self.transform.unsqueeze(0)
 
-        freqs = self.freqs.unsqueeze(0)                                         # [N, C, 2]
-        phases = self.phases.unsqueeze(0) + (freqs @ transforms[:, :2, 2:]).squeeze(2)
-        freqs = freqs @ transforms[:, :2, :2]
+            freqs = self.freqs.unsqueeze(0)                                         # [N, C, 2]
+            phases = self.phases.unsqueeze(0) + (freqs @ transforms[:, :2, 2:]).squeeze(2)
+            freqs = freqs @ transforms[:, :2, :2]
 
-        # A user transform may push frequencies past the band; fade those out instead of aliasing.
-        amplitudes = (1 - (freqs.norm(dim=2) - self.bandwidth) / (self.sampling_rate / 2 - self.bandwidth)).clamp(0, 1)
+            # A user transform may push frequencies past the band; fade those out instead of aliasing.
+            amplitudes = (1 - (freqs.norm(dim=2) - self.bandwidth) / (self.sampling_rate / 2 - self.bandwidth)).clamp(0, 1)
 
-        x = self.grid.unsqueeze(0) @ freqs.permute(0, 2, 1).unsqueeze(1)      # [N, H, W, C]
-        x = x + phases.view(n, 1, 1, -1)
-        x = torch.sin(x * (2 * math.pi))
-        x = x * amplitudes.view(n, 1, 1, -1)
+            x = self.grid.unsqueeze(0) @ freqs.permute(0, 2, 1).unsqueeze(1)      # [N, H, W, C]
+            x = x + phases.view(n, 1, 1, -1)
+            x = torch.sin(x * (2 * math.pi))
+            x = x * amplitudes.view(n, 1, 1, -1)
 
-        x = x @ (self.weight / math.sqrt(self.channels)).t()
+            x = x @ (self.weight / math.sqrt(self.channels)).t()
         x = x.permute(0, 3, 1, 2)
         _assert_shape(x, [n, self.channels, self.size, self.size], "SynthesisInput output")
         return x
@@ -528,9 +541,10 @@ class SynthesisLayer(torch.nn.Module):
         # Normalise the input by its running RMS so every layer sees unit-magnitude activations.
         input_gain = self.magnitude_ema.rsqrt()
 
-        styles = self.affine(w)
-        if self.is_torgb:
-            styles = styles * (1 / math.sqrt(self.in_channels * self.conv_kernel ** 2))
+        with _full_precision(w):
+            styles = self.affine(w.float())
+            if self.is_torgb:
+                styles = styles * (1 / math.sqrt(self.in_channels * self.conv_kernel ** 2))
 
         x = modulated_conv2d(x, self.weight, styles, demodulate=not self.is_torgb,
                              padding=self.conv_kernel - 1, input_gain=input_gain)

@@ -298,3 +298,21 @@ def test_reference_on_gpu_fp32(testdata):
     with torch.no_grad():
         out = G(_z(1, G.z_dim).cuda(), None, truncation_psi=0.7)[0].cpu().numpy()
     assert _rel_err(out, ref) < 1e-4
+
+
+def test_bf16_autocast_keeps_latents_and_fourier_features_in_fp32(loaded):
+    # Under AMP only the convolutions drop precision; mapping, Fourier phases and styles stay fp32.
+    _, _, G = loaded
+    z = _z(1, G.z_dim)
+    with torch.no_grad():
+        full = G(z)
+        ws_full = G.mapping(z, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ws = G.mapping(z, None)
+            features = G.synthesis.input(ws[:, 0])
+            low = G(z)
+    torch.testing.assert_close(ws, ws_full, rtol=0, atol=0)
+    assert features.dtype == torch.float32
+    torch.testing.assert_close(features, G.synthesis.input(ws_full[:, 0]), rtol=0, atol=0)
+    assert low.dtype == torch.float32 and torch.isfinite(low).all()
+    assert 0 < _rel_err(low.numpy(), full.numpy()) < 5e-2
