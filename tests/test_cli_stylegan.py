@@ -1,0 +1,96 @@
+"""The CLI contract of `python app.py generate --backend stylegan`, run as a user would."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, cwd=ROOT):
+    p = subprocess.run([sys.executable, "app.py", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_npy_matches_nvlabs_reference(testdata, tmp_path):
+    pkl = testdata / "stylegan" / "sg2_uncond_32.pkl"
+    ref = np.load(testdata / "stylegan" / "sg2_uncond_32_ref.npz")
+    key = next(k for k in ref.files if k.endswith("psi1.0") or k.endswith("psi1")) if any(
+        k.endswith(("psi1.0", "psi1")) for k in ref.files) else ref.files[0]
+    seed = int(key.split("_")[0][4:])
+    psi = float(key.split("_psi")[1])
+    out = tmp_path / "raw.npy"
+    rc, so, se = run_cli("generate", "--backend", "stylegan", "--model", pkl, "--seed", seed, "--truncation", psi,
+                         "--out", out, "--quiet")
+    assert rc == 0, se
+    summary = last_json(so)
+    assert summary["outputs"] == [str(out)] and summary["device"] == "cpu" and summary["dtype"] == "fp32"
+    assert {"synthesis", "load"} <= set(summary["latency_ms"]) and summary["peak_memory_bytes"] > 0
+    assert "precision" in summary["optimizations"]
+    raw = np.load(out)
+    assert raw.dtype == np.float32 and raw.shape == (1,) + ref[key].shape
+    rel = np.linalg.norm(raw[0] - ref[key]) / np.linalg.norm(ref[key])
+    assert rel < 1e-4
+
+
+def test_png_grid_carries_parameters_and_reproduces(testdata, tmp_path):
+    pkl = testdata / "stylegan" / "sg2_cond4_64_fp16.pkl"
+    png = tmp_path / "grid.png"
+    rc, so, se = run_cli("generate", "--model", pkl, "--seeds", "0-3", "--class-index", 2, "--truncation", 0.7,
+                         "--out", png, "--quiet")
+    assert rc == 0, se
+    im = Image.open(png)
+    assert im.size == (128, 128)   # 2x2 grid of 64px images
+    meta = json.loads(im.text["atelier"])
+    assert meta["seeds"] == [0, 1, 2, 3] and meta["class_index"] == 2 and meta["truncation_psi"] == 0.7
+    again = tmp_path / "again.png"
+    rc, so, se = run_cli("generate", "--from-png", png, "--out", again, "--quiet")
+    assert rc == 0, se
+    assert np.array_equal(np.asarray(Image.open(again)), np.asarray(im))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/no/such/file.pkl"], "not found"),
+    (["--seed", "4294967296"], "seed must be an integer"),
+    (["--truncation", "nan"], "finite"),
+    (["--class-index", "7"], "out of range"),
+    (["--out", "x.jpg"], "must end in .png or .npy"),
+])
+def test_bad_input_is_one_clear_line(testdata, tmp_path, args, needle):
+    pkl = testdata / "stylegan" / "sg2_cond4_64_fp16.pkl"
+    base = ["generate", "--model", pkl, "--class-index", "1", "--out", tmp_path / "o.png", "--quiet"]
+    # later options override earlier ones in argparse
+    rc, so, se = run_cli(*base, *args)
+    assert rc != 0
+    lines = [l for l in se.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], se
+    assert "Traceback" not in se
+
+
+def test_unconditional_model_refuses_class(testdata, tmp_path):
+    rc, so, se = run_cli("generate", "--model", testdata / "stylegan" / "sg2_uncond_32.pkl", "--class-index", 0,
+                         "--out", tmp_path / "o.png", "--quiet")
+    assert rc == 2 and "unconditional" in se
+
+
+def test_crafted_pickle_refused_without_side_effect(tmp_path):
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (eval, (f"open({str(marker)!r}, 'w').write('x')",))
+
+    bad = tmp_path / "evil.pkl"
+    bad.write_bytes(pickle.dumps({"G_ema": Evil()}))
+    rc, so, se = run_cli("generate", "--model", bad, "--out", tmp_path / "o.png", "--quiet")
+    assert rc == 2 and "refusing" in se and not marker.exists()
