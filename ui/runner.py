@@ -1,0 +1,213 @@
+"""Runs one session's generation job on a worker thread and reports while it runs.
+
+The Gradio event is a generator: it starts the worker, then wakes a few times
+a second to yield progress and previews, and ends with the saved results.
+Stop sets the job's cancel token; the pipeline raises `Cancelled` at its next
+step, so a job stops within one step and the GPU is free for the next one.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+from core.device import pick_device, synchronizer
+from core.errors import AtelierError, Cancelled
+from core.pnginfo import save_png
+from core.types import Job
+from pipelines.services import Services
+from pipelines.stylegan import write_animation
+from telemetry.live import DONE, FAILED, STOPPED, MemoryHistory
+from telemetry.metrics import StudioMetrics
+from ui.controls import JobSpec
+from ui.state import GpuQueue, ResultItem, SessionState, Ticket
+
+log = logging.getLogger("atelier.ui")
+MAX_GALLERY = 200          # more images than this are saved, but the gallery shows the first ones
+
+
+@dataclass
+class Progress:
+    """One update from a running job, for the event generator to turn into component updates."""
+
+    done: bool = False
+    preview: Any = None                        # a new PIL preview, or None when unchanged
+    items: list[ResultItem] = field(default_factory=list)
+    state: str = ""                            # DONE | STOPPED | FAILED once done
+    message: str = ""
+    error: Exception | None = None
+
+
+class StudioRuntime:
+    """What the studio shares across sessions: services, the GPU queue board, memory history, metrics.
+    Built once per app by build_app; nothing here is module-level."""
+
+    def __init__(self, services: Services, poll_s: float = 0.25):
+        self.services = services
+        self.settings = services.settings
+        try:
+            self.device = pick_device(self.settings.device)
+        except AtelierError:
+            self.device = pick_device(None)
+        self.queue = GpuQueue()
+        self.memory = MemoryHistory(self.device)
+        self.metrics = StudioMetrics()
+        self.gpu_lock = threading.Lock()       # a worker abandoned by its event still holds the GPU until it ends
+        self.poll_s = poll_s
+        self._sessions: dict[str, SessionState] = {}
+        self._sessions_lock = threading.Lock()
+
+    # -- sessions (so that closing a tab stops its job) -----------------------------
+    def remember(self, session_hash: str | None, session: SessionState) -> None:
+        if session_hash:
+            with self._sessions_lock:
+                self._sessions[session_hash] = session
+
+    def forget(self, session_hash: str | None) -> None:
+        with self._sessions_lock:
+            session = self._sessions.pop(session_hash, None) if session_hash else None
+        if session is not None:
+            session.cancel()
+
+    # -- running a job ----------------------------------------------------------------
+    def enqueue(self, session: SessionState, kind: str) -> Ticket:
+        if session.ticket is not None:
+            self.queue.leave(session.ticket)
+        session.ticket = self.queue.join()
+        session.tracker.queued(kind)
+        return session.ticket
+
+    def run(self, session: SessionState, spec: JobSpec) -> Iterator[Progress]:
+        ticket = session.ticket
+        if ticket is None or not self.queue.is_waiting(ticket):   # the API calls generate without the pre-step
+            ticket = self.enqueue(session, spec.kind)
+        if ticket.cancelled:
+            self.queue.leave(ticket)
+            session.tracker.finish(STOPPED, {}, message="Stopped before it started.")
+            yield Progress(done=True, state=STOPPED, message="Stopped before it started.")
+            return
+        self.queue.start(ticket)
+        tracker = session.tracker
+        device = pick_device(spec.request.device or self.services.manager.default_device)
+        job = Job(on_progress=tracker.on_progress, sync=synchronizer(device))
+        session.job = job
+        if ticket.cancelled:    # Stop landed between the check above and now
+            job.cancel()
+        tracker.start(spec.kind, job)
+        box: dict[str, Any] = {}
+
+        def work():
+            with self.gpu_lock:
+                if job.cancelled:       # stopped while an abandoned worker still held the GPU
+                    box["error"] = Cancelled("cancelled by the user")
+                    return
+                try:
+                    box["items"], box["result"] = self._execute(spec, job, tracker)
+                except BaseException as exc:   # handed to the event thread, which reports it
+                    box["error"] = exc
+
+        worker = threading.Thread(target=work, name=f"atelier-job-{ticket.id}", daemon=True)
+        worker.start()
+        seen_preview = tracker.latest_preview()[0]
+        try:
+            while worker.is_alive():
+                worker.join(self.poll_s)
+                seq, preview = tracker.latest_preview()
+                if seq != seen_preview:
+                    seen_preview = seq
+                    yield Progress(preview=preview)
+                else:
+                    yield Progress()
+            yield self._conclude(session, spec, job, box)
+        finally:
+            if worker.is_alive():   # the event was abandoned (tab closed, client gone): do not leave work running
+                job.cancel()
+            self.queue.leave(ticket)
+            if session.ticket is ticket:
+                session.ticket = None
+
+    def _conclude(self, session: SessionState, spec: JobSpec, job: Job, box: dict) -> Progress:
+        tracker = session.tracker
+        backend = spec.request.backend
+        err = box.get("error")
+        snap = tracker.snapshot()
+        if isinstance(err, Cancelled):
+            msg = f"Stopped at step {snap.step}/{snap.total}." if snap.total else "Stopped."
+            tracker.finish(STOPPED, job.timings_ms, message=msg)
+            self.metrics.observe_job(backend, "stopped", job.timings_ms)
+            return Progress(done=True, state=STOPPED, message=msg)
+        if err is not None:
+            if not isinstance(err, AtelierError):
+                log.exception("generation failed", exc_info=err)
+            msg = str(err) if isinstance(err, AtelierError) else f"unexpected error: {type(err).__name__}: {err}"
+            tracker.finish(FAILED, job.timings_ms, message=msg)
+            self.metrics.observe_job(backend, "failed", job.timings_ms)
+            return Progress(done=True, state=FAILED, message=msg, error=err)
+        items: list[ResultItem] = box["items"]
+        result = box.get("result")
+        total_ms = sum(job.timings_ms.values())
+        n = len(items) if spec.kind != "images" else len(result.images)
+        what = {"style-mix": "style-mix grid", "interpolate": "animation"}.get(spec.kind, "image" if n == 1 else "images")
+        msg = f"Done: {n} {what} in {total_ms / 1000:.2f} s" if spec.kind in ("images", "diffusion") else f"Done: {what} in {total_ms / 1000:.2f} s"
+        if len(items) > MAX_GALLERY:
+            msg += f" (showing the first {MAX_GALLERY}; all saved in {Path(items[0].path).parent})"
+        notes = list(getattr(result, "notes", []) or [])
+        if notes:
+            msg += " — " + "; ".join(notes)
+        peak = getattr(result, "peak_memory_bytes", None)
+        tracker.finish(DONE, job.timings_ms, images=n, peak_bytes=peak, message=msg)
+        self.metrics.observe_job(backend, "done", job.timings_ms, images=n, step_ms=[e.step_ms for e in job.trace if e.step_ms])
+        session.results = items
+        session.selected = 0 if items else None
+        return Progress(done=True, state=DONE, message=msg, items=items)
+
+    # -- the work itself, on the worker thread ----------------------------------------
+    def _out_path(self, stem: str, suffix: str = ".png") -> Path:
+        folder = Path(self.settings.output_dir) / datetime.now().strftime("%Y-%m-%d")
+        return folder / f"{datetime.now().strftime('%H%M%S')}-{uuid.uuid4().hex[:6]}-{stem}{suffix}"
+
+    def _execute(self, spec: JobSpec, job: Job, tracker) -> tuple[list[ResultItem], Any]:
+        manager = self.services.manager
+        req = spec.request
+        if spec.kind in ("images", "diffusion"):
+            result = manager.generate(req, job)
+            with job.stage("save"):
+                items = []
+                for i, img in enumerate(result.images):
+                    meta = dict(result.metadata[i]) if i < len(result.metadata) else {"backend": req.backend}
+                    seed = meta.get("seed", i)
+                    path = save_png(img, self._out_path(f"seed{seed}"), meta)
+                    caption = f"seed {seed}" if req.backend == "stylegan" else f"seed {seed} · {meta.get('steps', '')} steps"
+                    items.append(ResultItem(str(path), meta, caption))
+            return items, result
+        with job.stage("load"):
+            pipe = manager.get(req)
+        p = req.params
+        base = {"backend": "stylegan", "model": pipe.model_id, "model_hash": pipe.loaded.sha256[:10],
+                "arch": pipe.loaded.arch, "truncation_psi": float(p.truncation_psi),
+                "truncation_cutoff": p.truncation_cutoff, "noise_mode": p.noise_mode,
+                "class_index": p.class_index, "flags": req.flags.to_dict(), "device": str(pipe.device)}
+        if spec.kind == "style-mix":
+            mix = spec.mix
+            with job.stage("synthesis"):
+                grid, _raw = pipe.style_mix(list(mix.rows), list(mix.cols), mix.layers, p, job)
+            with job.stage("save"):
+                meta = {**base, "mode": "style-mix", "row_seeds": list(mix.rows), "col_seeds": list(mix.cols),
+                        "layers": list(mix.layers), "seeds": list(mix.cols)}
+                path = save_png(grid, self._out_path("stylemix"), meta)
+            return [ResultItem(str(path), meta, f"style mix {len(mix.rows)}×{len(mix.cols)}, layers {mix.layers[0]}–{mix.layers[1]}")], None
+        if spec.kind == "interpolate":
+            seeds = list(p.seeds)
+            with job.stage("synthesis"):
+                frames = pipe.interpolate(seeds, spec.frames_per_seed, p, space=spec.space, job=job)
+            with job.stage("encode"):
+                path = write_animation(frames, self._out_path("interp", "." + spec.animation_format), fps=spec.fps)
+            meta = {**base, "mode": "interpolate", "seeds": seeds, "frames_per_seed": spec.frames_per_seed,
+                    "space": spec.space, "fps": spec.fps, "frames": len(frames)}
+            return [ResultItem(str(path), meta, f"{len(frames)} frames through seeds {seeds}")], None
+        raise AtelierError(f"unknown job kind {spec.kind!r}")

@@ -1,0 +1,109 @@
+"""Per-session state and the shared GPU queue board.
+
+A `SessionState` lives in one `gr.State`: Gradio gives every browser session
+its own copy, so one session's job, progress and Stop never reach another's.
+The `GpuQueue` is shared (there is one GPU); it only knows tickets, which lets
+the side panel say "position 2 of 3" without exposing whose jobs those are.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+from core.types import Job
+from telemetry.live import JobTracker
+
+
+@dataclass
+class Ticket:
+    id: int
+    cancelled: bool = False
+
+
+class GpuQueue:
+    """Tickets waiting for, and holding, the GPU. Positions are 1-based."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: list[int] = []
+        self._running: set[int] = set()
+
+    def join(self) -> Ticket:
+        with self._lock:
+            t = Ticket(next(self._ids))
+            self._waiting.append(t.id)
+            return t
+
+    def start(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.id in self._waiting:
+                self._waiting.remove(ticket.id)
+            self._running.add(ticket.id)
+
+    def leave(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.id in self._waiting:
+                self._waiting.remove(ticket.id)
+            self._running.discard(ticket.id)
+
+    def is_waiting(self, ticket: Ticket) -> bool:
+        with self._lock:
+            return ticket.id in self._waiting
+
+    def position(self, ticket: Ticket | None) -> int | None:
+        """1 = next to run; None when not waiting."""
+        with self._lock:
+            if ticket is None or ticket.id not in self._waiting:
+                return None
+            return self._waiting.index(ticket.id) + 1
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running)."""
+        with self._lock:
+            return len(self._waiting), len(self._running)
+
+
+@dataclass
+class ResultItem:
+    path: str                 # the PNG/GIF written under the output folder (with its parameters embedded)
+    params: dict              # what went into the file's metadata
+    caption: str = ""
+
+
+@dataclass
+class SessionState:
+    """Everything one browser session owns. Mutated in place by the event handlers."""
+
+    tracker: JobTracker = field(default_factory=JobTracker)
+    job: Job | None = None
+    ticket: Ticket | None = None
+    results: list[ResultItem] = field(default_factory=list)
+    selected: int | None = None
+    timer_interval: float = 0.0        # what the panel's timer was last set to
+
+    def __deepcopy__(self, memo):
+        # gr.State deep-copies its initial value for each new session; locks cannot be copied,
+        # and a new session must start empty anyway
+        return SessionState()
+
+    def cancel(self) -> bool:
+        """Stop this session's job (running, or still waiting for the GPU). True if there was one."""
+        hit = False
+        if self.ticket is not None and not self.ticket.cancelled:
+            self.ticket.cancelled = True
+            hit = True
+        if self.job is not None and not self.job.cancelled:
+            self.job.cancel()
+            hit = True
+        return hit
+
+    def selected_item(self) -> ResultItem | None:
+        if self.selected is None or not (0 <= self.selected < len(self.results)):
+            return None
+        return self.results[self.selected]
+
+
+def new_session() -> SessionState:
+    return SessionState()

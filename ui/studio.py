@@ -1,0 +1,549 @@
+"""The studio page: controls, gallery, PNG info, and the live side panel.
+
+`build_app(services)` makes the Blocks; `launch(services)` serves it with the
+host, port, share, auth and queue size from `services.settings`. Everything the
+handlers use comes from `services` and a `StudioRuntime` made here: there is
+no module-level model, option or queue.
+
+Serving rules:
+- every GPU event runs in one queue (`concurrency_id="gpu"`, limit 1);
+- Stop, the panel timer and other light events skip the queue (`queue=False`),
+  so they answer at once while a job runs;
+- every event has an `api_name`, so `gradio_client` can drive the studio.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from core.errors import AtelierError
+from core.pnginfo import read_png_params
+from pipelines.services import Services
+from pipelines.tools import optimization_availability
+from telemetry.live import DONE, FAILED, QUEUED, STOPPED
+from telemetry.metrics import CONTENT_TYPE_LATEST
+from ui import panel
+from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, controls_from_params, job_spec,
+                         random_seed)
+from ui.runner import MAX_GALLERY, StudioRuntime
+from ui.state import SessionState, new_session
+
+log = logging.getLogger("atelier.ui")
+ROOT = Path(__file__).resolve().parent.parent
+CSS_PATH = ROOT / "assets" / "ui.css"
+FAST_TICK_S, SLOW_TICK_S = 0.5, 2.0      # panel refresh: about 2 Hz while a job runs, slower when idle
+MAX_UPLOAD = "25mb"
+
+# every control the generate event reads, in the order of `generate`'s parameters (its API signature)
+CONTROL_NAMES = (
+    "backend", "model", "seed", "sg_mode", "truncation_psi", "truncation_cutoff", "noise_mode", "class_index",
+    "sg_batch_size", "mix_rows", "mix_cols", "mix_from", "mix_to", "frames_per_seed", "interp_space",
+    "animation_format", "fps", "prompt", "negative_prompt", "steps", "guidance", "size", "scheduler", "batch_size",
+    "init_image", "strength", "preview_every", "precision", "channels_last", "attention", "compile_mode", "fp8",
+    "prune_amount", "tensorrt", "memory_savers",
+)
+OPTIONAL_TOGGLES = ("channels_last", "attention", "compile", "fp8", "prune", "tensorrt", "memory")
+
+
+def make_theme() -> gr.themes.Base:
+    # system fonts: the default themes fetch Google fonts, which offline machines and Spaces proxies stall on
+    return gr.themes.Soft(primary_hue="violet", secondary_hue="indigo", neutral_hue="slate", radius_size="md",
+                          spacing_size="sm", text_size="sm",
+                          font=["Inter", "ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "sans-serif"],
+                          font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+
+
+def load_css() -> str:
+    return CSS_PATH.read_text() if CSS_PATH.is_file() else ""
+
+
+# -- small helpers ---------------------------------------------------------------------------
+def _model_choices(services: Services, backend: str) -> tuple[list[tuple[str, str]], str | None, str]:
+    """(choices, default value, note) for the model picker."""
+    entries = services.catalogue.entries(backend)
+    choices = [(e.label, e.id) for e in entries]
+    try:
+        default = services.catalogue.default(backend).id
+        note = ""
+    except AtelierError as exc:
+        default = None
+        note = str(exc)
+        if choices and backend == "diffusion":   # only hub entries: pick one, it downloads on first use
+            default = choices[0][1]
+    return choices, default, note
+
+
+def _scheduler_choices() -> list[str]:
+    # the diffusion pipeline names its schedulers when it is installed; import lazily (diffusers is slow)
+    try:
+        from pipelines import diffusion
+    except Exception:   # not landed yet, or diffusers missing: offer the common names
+        return list(DEFAULT_SCHEDULERS)
+    names = getattr(diffusion, "SCHEDULERS", None) or getattr(diffusion, "SCHEDULER_NAMES", None)
+    names = list(names) if names else list(DEFAULT_SCHEDULERS)
+    return names if "default" in names else ["default"] + names
+
+
+def _match_scheduler(hint: str, choices: list[str]) -> str:
+    """'DPM++ 2M Karras' (A1111) -> 'dpm++-2m-karras' when such a choice exists, else 'default'."""
+    key = hint.strip().lower().replace(" ", "-").replace("_", "-")
+    for c in choices:
+        if c.lower().replace("_", "-") == key:
+            return c
+    return "default" if "default" in choices else choices[0]
+
+
+def _gallery_value(items) -> list[tuple[str, str]]:
+    return [(it.path, it.caption) for it in items[:MAX_GALLERY]]
+
+
+def _availability(device) -> dict[str, tuple[bool, str]]:
+    try:
+        return dict(optimization_availability(device))
+    except Exception as exc:   # the panel must come up even if a toggle's probe breaks
+        log.warning("optimization availability probe failed: %s", exc)
+        return {"precision": (True, "fp32")}
+
+
+# -- the page --------------------------------------------------------------------------------
+def build_app(services: Services) -> gr.Blocks:
+    rt = StudioRuntime(services)
+    settings = services.settings
+    avail = _availability(rt.device)
+    sg_choices, sg_default, sg_note = _model_choices(services, "stylegan")
+    schedulers = list(DEFAULT_SCHEDULERS)
+    C: dict[str, Any] = {}                   # control name -> component
+
+    with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
+        # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
+        session = gr.State(new_session, delete_callback=lambda s: s.cancel())
+        with gr.Row(elem_id="at-header"):
+            gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo")
+
+        with gr.Row(elem_id="at-main", equal_height=False):
+            # ---------------------------------------------------------------- controls
+            with gr.Column(scale=5, min_width=360, elem_id="at-controls"):
+                C["backend"] = gr.Radio([("StyleGAN", "stylegan"), ("Diffusion", "diffusion")], value="stylegan",
+                                        label="Backend", elem_id="backend-select")
+                with gr.Row(elem_id="at-model-row"):
+                    C["model"] = gr.Dropdown(sg_choices, value=sg_default, label="Model", allow_custom_value=True,
+                                             elem_id="model-select", scale=8, info=sg_note or None)
+                    refresh_btn = gr.Button("↻", elem_id="model-refresh", scale=0, min_width=44, size="sm")
+                with gr.Accordion("Add a model (file path or Hugging Face id)", open=False, elem_id="add-model"):
+                    with gr.Row():
+                        add_ref = gr.Textbox(show_label=False, placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
+                                             elem_id="add-model-input", scale=5)
+                        add_btn = gr.Button("Add", elem_id="add-model-btn", scale=1, min_width=70)
+                    add_status = gr.Markdown("", elem_id="add-model-status")
+                with gr.Row(elem_id="at-seed-row"):
+                    C["seed"] = gr.Textbox("0-7", label="Seeds (e.g. 0-7, 42)", elem_id="seed-input", scale=8)
+                    dice_btn = gr.Button("🎲", elem_id="seed-dice", scale=0, min_width=44, size="sm")
+
+                # StyleGAN controls
+                with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
+                    with gr.Row():
+                        C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
+                                                        elem_id="psi-input", info="1 = no truncation; lower = closer to the average")
+                    with gr.Row():
+                        C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
+                                                   elem_id="noise-mode")
+                        C["class_index"] = gr.Number(None, label="Class (conditional models)", precision=0,
+                                                     minimum=0, elem_id="class-input")
+                    with gr.Tabs(elem_id="sg-tabs") as sg_tabs:
+                        with gr.Tab("Images", id="images") as tab_images:
+                            with gr.Row():
+                                C["sg_batch_size"] = gr.Slider(1, 64, value=8, step=1, label="Batch size (per forward pass)",
+                                                               elem_id="sg-batch")
+                                C["truncation_cutoff"] = gr.Number(None, label="Truncation cutoff (layers)", precision=0,
+                                                                   minimum=0, elem_id="psi-cutoff")
+                        with gr.Tab("Style mixing", id="style-mix") as tab_mix:
+                            with gr.Row():
+                                C["mix_rows"] = gr.Textbox("1-4", label="Row seeds (give their styles)", elem_id="mix-rows")
+                                C["mix_cols"] = gr.Textbox("10-13", label="Column seeds", elem_id="mix-cols")
+                            with gr.Row():
+                                C["mix_from"] = gr.Slider(0, 18, value=0, step=1, label="Styles from layer", elem_id="mix-from")
+                                C["mix_to"] = gr.Slider(1, 18, value=6, step=1, label="to layer (exclusive)", elem_id="mix-to")
+                        with gr.Tab("Interpolation", id="interpolate") as tab_interp:
+                            with gr.Row():
+                                C["frames_per_seed"] = gr.Slider(2, 120, value=24, step=1, label="Frames per seed",
+                                                                 elem_id="interp-frames")
+                                C["fps"] = gr.Slider(1, 60, value=24, step=1, label="Frames per second", elem_id="interp-fps")
+                            with gr.Row():
+                                C["interp_space"] = gr.Radio([("W (linear)", "w"), ("Z (spherical)", "z")], value="w",
+                                                             label="Latent space", elem_id="interp-space")
+                                C["animation_format"] = gr.Radio(["gif", "mp4"], value="gif", label="Format",
+                                                                 elem_id="interp-format")
+                    C["sg_mode"] = gr.Textbox("images", visible=False, elem_id="sg-mode")
+
+                # diffusion controls
+                with gr.Group(visible=False, elem_id="diffusion-controls") as df_group:
+                    C["prompt"] = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt-input",
+                                             placeholder="a watercolor fox in a misty forest, soft light")
+                    C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1, elem_id="negative-prompt-input",
+                                                      placeholder="blurry, low quality")
+                    with gr.Row():
+                        C["steps"] = gr.Slider(1, 100, value=25, step=1, label="Steps", elem_id="steps-input")
+                        C["guidance"] = gr.Slider(0.0, 20.0, value=7.0, step=0.5, label="Guidance", elem_id="guidance-input")
+                    with gr.Row():
+                        C["size"] = gr.Dropdown(list(SIZE_PRESETS), value=SIZE_PRESETS[0], label="Size",
+                                                allow_custom_value=True, elem_id="size-select")
+                        C["scheduler"] = gr.Dropdown(schedulers, value="default", label="Scheduler",
+                                                     allow_custom_value=True, elem_id="scheduler-select")
+                    with gr.Row():
+                        C["batch_size"] = gr.Slider(1, 8, value=1, step=1, label="Batch", elem_id="df-batch")
+                        C["preview_every"] = gr.Slider(0, 10, value=5, step=1, label="Preview every N steps (0 = off)",
+                                                       elem_id="preview-every")
+                    with gr.Accordion("Image to image", open=False, elem_id="img2img"):
+                        C["init_image"] = gr.Image(type="filepath", label="Start image", sources=["upload", "clipboard"],
+                                                   elem_id="init-image", height=180)
+                        C["strength"] = gr.Slider(0.05, 1.0, value=0.75, step=0.05, label="Strength (how far from the start image)",
+                                                  elem_id="strength-input")
+
+                # optimization toggles
+                with gr.Accordion("Optimization", open=True, elem_id="optimization-panel"):
+                    ok, why = avail.get("precision", (True, ""))
+                    C["precision"] = gr.Radio(["fp32", "tf32", "fp16", "bf16"], value="fp32", label="Precision (AMP)",
+                                              elem_id="precision-select", info=why or None, interactive=ok)
+                    _toggle_controls(C, avail)
+
+                with gr.Row(elem_id="at-actions"):
+                    generate_btn = gr.Button("Generate", variant="primary", size="lg", elem_id="generate-btn", scale=3)
+                    stop_btn = gr.Button("Stop", variant="stop", size="lg", elem_id="stop-btn", scale=1)
+                progress_box = gr.HTML(panel.render_progress(SessionState().tracker.snapshot(), None, 0),
+                                       elem_id="progress-box")
+                preview = gr.Image(label="Preview", visible=False, interactive=False, elem_id="preview-image", height=256)
+
+            # ---------------------------------------------------------------- results
+            with gr.Column(scale=7, min_width=420, elem_id="at-results"):
+                with gr.Tabs(elem_id="result-tabs"):
+                    with gr.Tab("Results", id="results"):
+                        gallery = gr.Gallery(label="Results", columns=4, height=520, object_fit="contain",
+                                             allow_preview=True, format="png", elem_id="output-gallery",
+                                             buttons=["download", "fullscreen"], interactive=False)
+                        with gr.Row():
+                            send_back_btn = gr.Button("Send parameters back", elem_id="send-back-btn", size="sm")
+                            download_btn = gr.DownloadButton("Download with parameters", value=None, interactive=False,
+                                                             elem_id="download-btn", size="sm")
+                        selected_params = gr.JSON(label="Parameters of the selected image", elem_id="selected-params",
+                                                  open=False)
+                    with gr.Tab("PNG info", id="pnginfo", elem_id="pnginfo-tab"):
+                        with gr.Row():
+                            png_file = gr.File(label="Drop a PNG made here or in AUTOMATIC1111", type="filepath",
+                                               file_types=[".png", ".jpg", ".jpeg", ".webp"], elem_id="pnginfo-file",
+                                               height=140)
+                            png_preview = gr.Image(label="Image", interactive=False, elem_id="pnginfo-image", height=200)
+                        png_params = gr.JSON(label="Parameters", elem_id="pnginfo-json", open=True)
+                        png_send_btn = gr.Button("Send to controls", elem_id="pnginfo-send", size="sm")
+
+            # ---------------------------------------------------------------- live side panel
+            with gr.Column(scale=3, min_width=250, elem_id="perf-panel"):
+                first = rt.memory.sample()
+                snap0 = SessionState().tracker.snapshot()
+                device_html = gr.HTML(panel.render_device(first, False), elem_id="device-readout")
+                vram_html = gr.HTML(panel.render_memory(first, snap0), elem_id="vram-readout")
+                job_html = gr.HTML(panel.render_job(snap0, None, 0, 0), elem_id="job-readout")
+                latency_html = gr.HTML(panel.render_latency(snap0), elem_id="latency-readout")
+                charts_html = gr.HTML(panel.render_charts(snap0, rt.memory.series(), first.kind), elem_id="perf-charts")
+                timer = gr.Timer(SLOW_TICK_S)
+
+        controls = [C[name] for name in CONTROL_NAMES]
+        panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
+        send_outputs = controls + [sg_group, df_group, sg_tabs]
+
+        # -- handlers ----------------------------------------------------------------------------
+        scheduler_cache: list[list[str]] = []
+
+        def scheduler_choices() -> list[str]:
+            if not scheduler_cache:
+                scheduler_cache.append(_scheduler_choices())
+            return scheduler_cache[0]
+
+        def switch_backend(backend: str, seed: str):
+            """Show the controls of the chosen backend and its models."""
+            choices, default, note = _model_choices(services, backend)
+            sg = backend == "stylegan"
+            if sg:
+                seed_update = gr.Textbox(label="Seeds (e.g. 0-7, 42)")
+                sched_update = gr.skip()
+            else:
+                first = re.match(r"\s*(\d+)", seed or "")
+                seed_update = gr.Textbox(label="Seed (empty = random)", value=first.group(1) if first else "")
+                sched_update = gr.Dropdown(choices=scheduler_choices())
+            return (gr.Dropdown(choices=choices, value=default, info=note or None),
+                    gr.Group(visible=sg), gr.Group(visible=not sg), seed_update, sched_update)
+
+        def list_models(backend: str, current: str | None):
+            choices, default, note = _model_choices(services, backend)
+            ids = [c[1] for c in choices]
+            return gr.Dropdown(choices=choices, value=current if current in ids else default, info=note or None)
+
+        def add_model(ref: str, backend: str):
+            try:
+                entry = services.catalogue.add(ref, backend)
+            except AtelierError as exc:
+                raise gr.Error(str(exc)) from None
+            choices, _default, _note = _model_choices(services, backend)
+            return gr.Dropdown(choices=choices, value=entry.id), f"Added **{entry.id}** ({entry.source})."
+
+        def roll_seed() -> str:
+            return str(random_seed())
+
+        def prepare(*values):
+            """Validate at once (errors show before the job queues) and mark this session as waiting."""
+            *vals, sess = values
+            v = dict(zip(CONTROL_NAMES, vals))
+            if sess.tracker.snapshot().active:
+                raise gr.Error("This session already has a job queued or running: press Stop or wait for it.")
+            waiting, _running = rt.queue.counts()
+            if settings.queue_max_size and waiting >= settings.queue_max_size:
+                raise gr.Error(f"The GPU queue is full ({waiting} jobs waiting, the limit is {settings.queue_max_size}). "
+                               "Try again in a minute.")
+            try:
+                spec = job_spec(v, settings.device)
+            except AtelierError as exc:
+                raise gr.Error(str(exc)) from None
+            ticket = rt.enqueue(sess, spec.kind)
+            html = panel.render_progress(sess.tracker.snapshot(), rt.queue.position(ticket), rt.queue.counts()[0])
+            sess.timer_interval = FAST_TICK_S
+            return html, gr.Timer(FAST_TICK_S)
+
+        def generate(backend=None, model=None, seed=None, sg_mode=None, truncation_psi=None, truncation_cutoff=None,
+                     noise_mode=None, class_index=None, sg_batch_size=None, mix_rows=None, mix_cols=None, mix_from=None,
+                     mix_to=None, frames_per_seed=None, interp_space=None, animation_format=None, fps=None, prompt=None,
+                     negative_prompt=None, steps=None, guidance=None, size=None, scheduler=None, batch_size=None,
+                     init_image=None, strength=None, preview_every=None, precision=None, channels_last=None,
+                     attention=None, compile_mode=None, fp8=None, prune_amount=None, tensorrt=None, memory_savers=None,
+                     sess: SessionState = None, request: gr.Request = None):
+            """Generate images with the StyleGAN or diffusion backend; yields progress, ends with the gallery."""
+            # None = not given (the API's optional parameters): job_spec applies the defaults
+            v = {k: val for k, val in locals().items() if k in CONTROL_NAMES and val is not None}
+            rt.remember(getattr(request, "session_hash", None), sess)
+            try:
+                spec = job_spec(v, settings.device)
+            except AtelierError as exc:
+                if sess.ticket is not None:
+                    rt.queue.leave(sess.ticket)
+                    sess.ticket = None
+                sess.tracker.finish(FAILED, {}, message=str(exc))
+                raise gr.Error(str(exc)) from None
+            skip = gr.skip()
+            for ev in rt.run(sess, spec):
+                if not ev.done:
+                    prev = gr.Image(value=ev.preview, visible=True) if ev.preview is not None else skip
+                    yield skip, prev, skip, skip, skip
+                    continue
+                snap = sess.tracker.snapshot()
+                html = panel.render_progress(snap, None, 0)
+                if ev.state == DONE:
+                    first = ev.items[0] if ev.items else None
+                    yield (_gallery_value(ev.items), gr.Image(value=None, visible=False), html,
+                           first.params if first else None,
+                           gr.DownloadButton(value=first.path if first else None, interactive=first is not None))
+                elif ev.state == STOPPED:
+                    yield skip, gr.Image(visible=False), html, skip, skip
+                else:
+                    yield skip, gr.Image(visible=False), html, skip, skip
+                    raise gr.Error(ev.message)
+
+        def job_finished(sess: SessionState):
+            """After the event chain: drop a ticket whose job never started (e.g. the queue refused it)."""
+            if sess.ticket is not None and rt.queue.is_waiting(sess.ticket) and sess.tracker.state == QUEUED:
+                rt.queue.leave(sess.ticket)
+                sess.ticket = None
+                sess.tracker.finish(STOPPED, {}, message="The job did not start.")
+            return gr.skip()
+
+        def stop(sess: SessionState):
+            """Stop this session's job (running or waiting). Other sessions' jobs are not touched."""
+            hit = sess.cancel()
+            snap = sess.tracker.snapshot()
+            if not hit or not snap.active:
+                return panel.render_progress(snap, None, 0)
+            return ('<div class="at-progress at-stopping">' + panel._bar(snap.fraction) +
+                    '<div class="at-ptext">Stopping…</div></div>')
+
+        def telemetry(sess: SessionState):
+            """The side panel: device, memory, this session's job, last latency, charts, progress."""
+            reading = rt.memory.sample()
+            snap = sess.tracker.snapshot()
+            pos = rt.queue.position(sess.ticket)
+            waiting, running = rt.queue.counts()
+            htmls = [panel.render_device(reading, snap.active), panel.render_memory(reading, snap),
+                     panel.render_job(snap, pos, waiting, running), panel.render_latency(snap),
+                     panel.render_charts(snap, rt.memory.series(), reading.kind),
+                     panel.render_progress(snap, pos, waiting)]
+            want = FAST_TICK_S if snap.active else SLOW_TICK_S
+            timer_update = gr.Timer(want) if sess.timer_interval != want else gr.skip()
+            sess.timer_interval = want
+            return (*htmls, timer_update)
+
+        def select_image(sess: SessionState, evt: gr.SelectData):
+            sess.selected = evt.index if isinstance(evt.index, int) else None
+            item = sess.selected_item()
+            if item is None:
+                return None, gr.DownloadButton(value=None, interactive=False)
+            return item.params, gr.DownloadButton(value=item.path, interactive=True)
+
+        def _apply_params(meta: dict) -> dict:
+            try:
+                vals = controls_from_params(meta)
+            except AtelierError as exc:
+                raise gr.Error(str(exc)) from None
+            out: dict = {}
+            backend = vals.get("backend", "stylegan")
+            choices, default, note = _model_choices(services, backend)
+            model = vals.get("model") or default
+            if model and model not in [c[1] for c in choices]:
+                choices = choices + [(model, model)]
+            out[C["model"]] = gr.Dropdown(choices=choices, value=model)
+            if "scheduler_hint" in vals:
+                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), scheduler_choices())
+            for name, value in vals.items():
+                if name in C and name != "model":
+                    out[C[name]] = value
+            sg = backend == "stylegan"
+            out[sg_group] = gr.Group(visible=sg)
+            out[df_group] = gr.Group(visible=not sg)
+            if sg and vals.get("sg_mode"):
+                out[sg_tabs] = gr.Tabs(selected=vals["sg_mode"])
+            return out
+
+        def send_back(sess: SessionState):
+            """Put the selected image's parameters back into the controls."""
+            item = sess.selected_item()
+            if item is None:
+                raise gr.Error("Select an image in the gallery first.")
+            return _apply_params(item.params)
+
+        def read_png_info(path: str | None):
+            """Parameters embedded in a PNG (Atelier's own, or AUTOMATIC1111's 'parameters' text)."""
+            if not path:
+                return None, None
+            try:
+                params = read_png_params(path)
+            except AtelierError as exc:
+                raise gr.Error(str(exc)) from None
+            return path, params
+
+        def send_png_params(params: dict | None):
+            if not params:
+                raise gr.Error("Drop a PNG with parameters first.")
+            return _apply_params(params)
+
+        def mode_setter(mode: str):
+            def set_mode():
+                return mode
+            set_mode.__name__ = f"mode_{mode.replace('-', '_')}"
+            return set_mode
+
+        def page_load(sess: SessionState, request: gr.Request):
+            rt.remember(getattr(request, "session_hash", None), sess)
+            return telemetry(sess)
+
+        def page_unload(request: gr.Request):
+            rt.forget(getattr(request, "session_hash", None))
+
+        # -- wiring ------------------------------------------------------------------------------
+        fast = dict(queue=False, show_progress="hidden")
+        C["backend"].input(switch_backend, [C["backend"], C["seed"]],
+                           [C["model"], sg_group, df_group, C["seed"], C["scheduler"]],
+                           api_name="switch_backend", **fast)
+        refresh_btn.click(list_models, [C["backend"], C["model"]], C["model"], api_name="list_models", **fast)
+        add_btn.click(add_model, [add_ref, C["backend"]], [C["model"], add_status], api_name="add_model", queue=False)
+        add_ref.submit(add_model, [add_ref, C["backend"]], [C["model"], add_status], api_name="add_model_submit",
+                       queue=False)
+        dice_btn.click(roll_seed, None, C["seed"], api_name="random_seed", **fast)
+        for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
+            tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
+
+        gen_event = generate_btn.click(prepare, controls + [session], [progress_box, timer],
+                                       api_name="queue_job", queue=False)
+        gen_event.success(generate, controls + [session],
+                          [gallery, preview, progress_box, selected_params, download_btn],
+                          api_name="generate", concurrency_id="gpu", concurrency_limit=1,
+                          show_progress="hidden", trigger_mode="once"
+                          ).then(job_finished, session, None, api_name="job_finished", **fast)
+        C["prompt"].submit(lambda: None, None, None, js="() => document.querySelector('#generate-btn').click()",
+                           api_name="prompt_submit", queue=False)
+        stop_btn.click(stop, session, progress_box, api_name="stop", **fast)
+        timer.tick(telemetry, session, panel_outputs + [timer], api_name="telemetry", **fast)
+        gallery.select(select_image, session, [selected_params, download_btn], api_name="select_image", **fast)
+        send_back_btn.click(send_back, session, send_outputs, api_name="send_back", **fast)
+        png_file.change(read_png_info, png_file, [png_preview, png_params], api_name="read_png_info",
+                        concurrency_id="files", concurrency_limit=4)
+        png_send_btn.click(send_png_params, png_params, send_outputs, api_name="send_png_params", **fast)
+        demo.load(page_load, session, panel_outputs + [timer], api_name="page_load", **fast)
+        demo.unload(page_unload)
+
+    demo.queue(max_size=settings.queue_max_size, default_concurrency_limit=4)
+    demo.atelier_runtime = rt    # for launch() (the /metrics route) and tests
+    return demo
+
+
+def _toggle_controls(C: dict, avail: dict[str, tuple[bool, str]]) -> None:
+    """The optional toggles: shown when the optim package reports them, disabled with the reason
+    when they cannot run here. Until a toggle is reported at all it stays hidden (precision only)."""
+    def state(name):
+        if name not in avail:
+            return False, False, ""
+        ok, why = avail[name]
+        return True, bool(ok), (why if not ok else (why or None))
+
+    vis, ok, why = state("channels_last")
+    C["channels_last"] = gr.Checkbox(False, label="channels_last memory format", visible=vis, interactive=ok,
+                                     info=why, elem_id="opt-channels-last")
+    vis, ok, why = state("attention")
+    C["attention"] = gr.Radio(["sdpa", "xformers", "math"], value="sdpa", label="Attention backend", visible=vis,
+                              interactive=ok, info=why, elem_id="opt-attention")
+    vis, ok, why = state("compile")
+    C["compile_mode"] = gr.Radio(["off", "default", "reduce-overhead"], value="off", label="torch.compile",
+                                 visible=vis, interactive=ok, info=why, elem_id="opt-compile")
+    vis, ok, why = state("fp8")
+    C["fp8"] = gr.Checkbox(False, label="FP8 linear layers", visible=vis, interactive=ok, info=why, elem_id="opt-fp8")
+    vis, ok, why = state("prune")
+    C["prune_amount"] = gr.Slider(0.0, 0.9, value=0.0, step=0.05, label="Pruning amount", visible=vis,
+                                  interactive=ok, info=why, elem_id="opt-prune")
+    vis, ok, why = state("tensorrt")
+    C["tensorrt"] = gr.Checkbox(False, label="TensorRT engine", visible=vis, interactive=ok, info=why,
+                                elem_id="opt-tensorrt")
+    vis, ok, why = state("memory")
+    C["memory_savers"] = gr.CheckboxGroup(list(MEMORY_SAVERS), value=[], label="Memory savers (diffusion)",
+                                          visible=vis, interactive=ok, info=why, elem_id="opt-memory")
+
+
+# -- serving ---------------------------------------------------------------------------------
+def mount_metrics(demo: gr.Blocks) -> None:
+    """Prometheus text at /metrics (latency histograms, images, jobs, memory and queue gauges)."""
+    from fastapi import Response
+
+    rt: StudioRuntime = demo.atelier_runtime
+
+    def metrics() -> Response:
+        rt.metrics.set_memory(rt.memory.sample())
+        rt.metrics.set_queue(*rt.queue.counts())
+        return Response(rt.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    demo.app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+
+
+def serve(services: Services, *, host: str | None = None, port: int | None = None, quiet: bool = False) -> gr.Blocks:
+    """Build and start the studio without blocking; returns the running Blocks (`.local_url`, `.close()`)."""
+    s = services.settings
+    demo = build_app(services)
+    Path(s.output_dir).mkdir(parents=True, exist_ok=True)
+    demo.launch(server_name=host or s.host, server_port=port or s.port, share=s.share, auth=s.auth,
+                auth_message="Atelier studio: sign in" if s.auth else None, prevent_thread_lock=True, quiet=quiet,
+                show_error=True, allowed_paths=[str(Path(s.output_dir).resolve())], max_file_size=MAX_UPLOAD,
+                theme=make_theme(), css=load_css(), ssr_mode=False, footer_links=["api", "gradio"])
+    mount_metrics(demo)
+    return demo
+
+
+def launch(services: Services) -> None:
+    """`python app.py`: serve on settings.host:port (127.0.0.1 unless told otherwise) until interrupted."""
+    demo = serve(services)
+    demo.block_thread()
