@@ -338,13 +338,16 @@ class MappingNetwork(torch.nn.Module):
         self,
         z: torch.Tensor,                     # [N, z_dim]
         c: torch.Tensor | None,              # [N, c_dim], or None / [N, 0] when unconditional
-        truncation_psi: float = 1.0,
-        truncation_cutoff: int | None = None,
+        truncation_psi: float | torch.Tensor = 1.0,  # 1 = no truncation; a 0-d tensor is fine
+        truncation_cutoff: int | None = None,        # truncate only the first this many ws, None = all
         update_emas: bool = False,
-    ) -> torch.Tensor:                       # [N, num_ws, w_dim]
+    ) -> torch.Tensor:                               # [N, num_ws, w_dim]
         _assert_shape(z, [None, self.z_dim], "z")
         if truncation_cutoff is None:
             truncation_cutoff = self.num_ws
+        if not 0 <= int(truncation_cutoff) <= self.num_ws:
+            raise InputError(f"truncation_cutoff must be between 0 and {self.num_ws} (the number of ws), "
+                             f"got {truncation_cutoff}")
 
         with _full_precision(z):  # w is tiny and every layer depends on it
             # Normalise the second moment of each input so its scale does not matter.
@@ -366,9 +369,11 @@ class MappingNetwork(torch.nn.Module):
                     self.w_avg.copy_(x.detach().mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
 
         ws = x.unsqueeze(1).repeat([1, self.num_ws, 1])
-        if truncation_psi != 1:
+        # A tensor psi always takes the lerp, so a compiled graph serves every psi without re-tracing.
+        if isinstance(truncation_psi, torch.Tensor) or truncation_psi != 1:
             cut = int(truncation_cutoff)
-            truncated = self.w_avg.lerp(ws[:, :cut], truncation_psi)
+            psi = truncation_psi.to(ws.dtype) if isinstance(truncation_psi, torch.Tensor) else truncation_psi
+            truncated = self.w_avg.lerp(ws[:, :cut], psi)
             ws = torch.cat([truncated, ws[:, cut:]], dim=1)
         return ws
 
@@ -682,7 +687,7 @@ class Generator(torch.nn.Module):
         self,
         z: torch.Tensor,                      # [N, z_dim]
         c: torch.Tensor | None = None,        # [N, c_dim]; None or [N, 0] when unconditional
-        truncation_psi: float = 1.0,
+        truncation_psi: float | torch.Tensor = 1.0,  # 1 = no truncation; a 0-d tensor is fine
         truncation_cutoff: int | None = None, # truncate only the first this many ws, None = all
         noise_mode: str = "const",
         update_emas: bool = False,

@@ -62,6 +62,11 @@ def test_truncation_changes_the_image(loaded):
         ws = G.mapping(z, None, truncation_psi=0.5, truncation_cutoff=3)
         ws_full = G.mapping(z, None)
     assert _rel_err(a.numpy(), b.numpy()) > 1e-2
+    # psi as a 0-d tensor (lets one compiled graph serve a psi slider) means the same.
+    with torch.no_grad():
+        torch.testing.assert_close(G(z, None, truncation_psi=torch.tensor(0.7)), b, rtol=0, atol=0)
+    with pytest.raises(InputError, match="truncation_cutoff"):
+        G.mapping(z, None, truncation_psi=0.5, truncation_cutoff=G.num_ws + 1)
     torch.testing.assert_close(ws[:, 3:], ws_full[:, 3:], rtol=0, atol=0)
     torch.testing.assert_close(ws[:, :3], G.mapping.w_avg.lerp(ws_full[:, :3], 0.5))
 
