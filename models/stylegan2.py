@@ -183,6 +183,8 @@ class MappingNetwork(torch.nn.Module):
             assert_shape(z, [None, self.z_dim], "z")
             x = normalize_2nd_moment(z.to(torch.float32))
         if self.c_dim > 0:
+            if c is None:
+                raise InputError(f"this network is conditional: give a class label c of shape [N, {self.c_dim}]")
             assert_shape(c, [None, self.c_dim], "c (class label)")
             y = normalize_2nd_moment(self.embed(c.to(torch.float32)))
             x = torch.cat([x, y], dim=1) if x is not None else y
@@ -389,9 +391,9 @@ class SynthesisBlock(torch.nn.Module):
         if self.in_channels == 0:
             x = self.conv1(x, next(w_iter), fused_modconv=fused_modconv, **layer_kwargs)
         elif self.architecture == "resnet":
-            y = self.skip(x, gain=np.sqrt(0.5))
+            y = self.skip(x, gain=math.sqrt(0.5))
             x = self.conv0(x, next(w_iter), fused_modconv=fused_modconv, **layer_kwargs)
-            x = self.conv1(x, next(w_iter), fused_modconv=fused_modconv, gain=np.sqrt(0.5), **layer_kwargs)
+            x = self.conv1(x, next(w_iter), fused_modconv=fused_modconv, gain=math.sqrt(0.5), **layer_kwargs)
             x = y + x
         else:
             x = self.conv0(x, next(w_iter), fused_modconv=fused_modconv, **layer_kwargs)
@@ -584,9 +586,9 @@ class DiscriminatorBlock(torch.nn.Module):
             img = downsample2d(img, self.resample_filter) if self.architecture == "skip" else None
 
         if self.architecture == "resnet":
-            y = self.skip(x, gain=np.sqrt(0.5))
+            y = self.skip(x, gain=math.sqrt(0.5))
             x = self.conv0(x)
-            x = self.conv1(x, gain=np.sqrt(0.5))
+            x = self.conv1(x, gain=math.sqrt(0.5))
             x = y + x
         else:
             x = self.conv0(x)
@@ -687,7 +689,7 @@ class DiscriminatorEpilogue(torch.nn.Module):
         if self.cmap_dim > 0:
             # Projection discriminator: score = <features, mapped label> / sqrt(cmap_dim).
             assert_shape(cmap, [None, self.cmap_dim], "mapped label")
-            x = (x * cmap).sum(dim=1, keepdim=True) * (1 / np.sqrt(self.cmap_dim))
+            x = (x * cmap).sum(dim=1, keepdim=True) * (1 / math.sqrt(self.cmap_dim))
         return x
 
     def extra_repr(self) -> str:

@@ -120,6 +120,22 @@ def test_truncation_cutoff_only_moves_the_first_ws(networks):
     assert G.mapping(z, None, truncation_psi=0).sub(w_avg).abs().max() == 0
 
 
+@pytest.mark.slow
+def test_whole_networks_compile_without_graph_breaks(networks):
+    # fullgraph=True fails on any graph break (host sync, numpy value, data-dependent branch);
+    # that is what torch.compile and CUDA graphs on the GPU need.
+    G = generator_from_record(networks["sg2_uncond_32"]["G_ema"]).eval()
+    D = discriminator_from_record(networks["sg2_uncond_32"]["D"]).eval()
+    z = torch.randn(2, G.z_dim)
+    with torch.no_grad():
+        img = G(z, truncation_psi=0.7)
+        compiled_img = torch.compile(G, fullgraph=True, backend="aot_eager")(z, truncation_psi=0.7)
+        score = D(img)
+        compiled_score = torch.compile(D, fullgraph=True, backend="aot_eager")(img)
+    assert torch.allclose(compiled_img, img, atol=1e-5)
+    assert torch.allclose(compiled_score, score, atol=1e-5)
+
+
 def test_noise_modes(networks):
     G = generator_from_record(networks["sg2_uncond_32"]["G_ema"]).eval()
     for layer in G.modules():
