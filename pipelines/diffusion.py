@@ -186,6 +186,10 @@ def _hub_error_message(repo_id: str, exc: Exception, where: str) -> str:
             f"Check the network, or download it elsewhere with `huggingface-cli download {repo_id}` and copy the cache.")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def _first_line(exc: BaseException) -> str:
     s = str(exc).strip().splitlines()
     return s[0][:300] if s else type(exc).__name__
@@ -302,11 +306,11 @@ def assemble_single_file(state: dict[str, torch.Tensor], arch: str, dtype: torch
 
 
 def clip_tokenizer(folder: Path):
-    """A CLIP tokenizer from `folder`: its own vocab.json/merges.txt if present, else the bundled CLIP BPE."""
+    """A CLIP tokenizer from `folder`: its own tokenizer files if present, else the bundled CLIP BPE."""
     from transformers import CLIPTokenizer
 
     folder = Path(folder)
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+    if (folder / "tokenizer.json").is_file() or ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()):
         return CLIPTokenizer.from_pretrained(str(folder))
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -491,7 +495,10 @@ def make_scheduler(name: str, base_config: dict):
     if canon == "default":
         return getattr(d, base["_class_name"]).from_config(base)
     spec = SCHEDULERS[canon]
-    return getattr(d, spec.class_name).from_config(base, **dict(spec.overrides))
+    overrides = dict(spec.overrides)
+    if spec.class_name in ("DDIMScheduler", "LCMScheduler") and "clip_sample" not in base:
+        overrides["clip_sample"] = False      # latents are not in [-1, 1]; diffusers' SD pipelines fix this too
+    return getattr(d, spec.class_name).from_config(base, **overrides)
 
 
 # ==================================================================================================
@@ -794,13 +801,15 @@ class DiffusionPipeline:
             raise AtelierError("the denoiser produced NaN/Inf latents, so there is no image to decode. This happens with "
                                "fp16 on some SD 2.x models: try bf16 or fp32 precision, or another scheduler.")
         vae = view.vae
-        # SDXL's VAE overflows in fp16; diffusers decodes it in fp32 when its config says so, and so do we.
-        first = torch.float32 if (vae.dtype == torch.float16 and vae.config.get("force_upcast", False)) else None
+        # SDXL's VAE overflows in fp16; diffusers' SDXL pipeline decodes it in fp32 when its config says so, and so
+        # do we. (SD 1.x/2.x configs default to force_upcast too, but diffusers decodes those as they are.)
+        upcast = self.family == "sdxl" and vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
+        first = torch.float32 if upcast else None
         with self._vae_dtype(vae, first), optim.runtime(self.flags, self.device):
-            used = "autocast-" + self.flags.precision if self._autocast_on() else str(vae.dtype).replace("torch.", "")
+            used = "autocast-" + self.flags.precision if self._autocast_on() else _dtype_name(vae.dtype)
             image = self._vae_decode(view, latents, generator)
         if not torch.isfinite(image).all():
-            if used != "float32":
+            if used != "fp32":
                 with self._vae_dtype(vae, torch.float32), torch.autocast(device.type, enabled=False):
                     image = self._vae_decode(view, latents.float(), generator)
                 if torch.isfinite(image).all():

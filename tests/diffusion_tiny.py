@@ -137,9 +137,9 @@ def unet_to_ldm(sd: dict, config) -> dict:
     up_has_attn = {i: t.startswith("CrossAttn") for i, t in enumerate(config["up_block_types"])}
     for k, v in sd.items():
         parts = k.split(".")
-        head = ".".join(parts[:2])
-        if head in top:
-            out[top[head] + "." + ".".join(parts[2:])] = v
+        head = next((src for src in top if k.startswith(src + ".")), None)
+        if head is not None:
+            out[top[head] + k[len(head):]] = v
         elif parts[0] == "down_blocks":
             i, kind, j, rest = int(parts[1]), parts[2], int(parts[3]), ".".join(parts[4:])
             if kind == "resnets":
@@ -163,7 +163,7 @@ def unet_to_ldm(sd: dict, config) -> dict:
                 out[f"output_blocks.{i * (L + 1) + j}.1.{rest}"] = v
             else:   # upsamplers.0.conv.*
                 slot = 2 if up_has_attn[i] else 1
-                out[f"output_blocks.{i * (L + 1) + L}.{slot}.{'.'.join(parts[5:])}"] = v
+                out[f"output_blocks.{i * (L + 1) + L}.{slot}.{'.'.join(parts[4:])}"] = v
         else:
             raise KeyError(k)
     return {"model.diffusion_model." + k: v for k, v in out.items()}
