@@ -830,15 +830,68 @@ def _build(cls, kwargs: dict, what: str):
         raise ModelLoadError(f"the {what} config is invalid: {exc}") from None
 
 
+def _child(rec, *names):
+    for name in names:
+        rec = getattr(rec, "children", {}).get(name)
+        if rec is None:
+            return None
+    return rec
+
+
+def _fp16_count(blocks) -> int:
+    return sum(1 for b in blocks if b is not None and bool(b.attributes.get("use_fp16", False)))
+
+
+def _generator_kwargs(rec) -> dict:
+    """The constructor kwargs of a pickled Generator, with defaults taken from the saved tree.
+
+    stylegan2-ada-pytorch records `synthesis_kwargs` as one dict and its defaults differ
+    from the stylegan3 repository's (num_fp16_res 0 vs 4, conv_clamp None vs 256,
+    w_avg_beta 0.995 vs 0.998). Values the pickle leaves out are therefore read from the
+    sub-networks it saved (each block's use_fp16, each layer's conv_clamp, the mapping
+    network's w_avg_beta) rather than from our defaults.
+    """
+    kwargs = _record_kwargs(rec, "Generator", _GENERATOR_POSITIONAL)
+    nested = kwargs.pop("synthesis_kwargs", None)
+    if isinstance(nested, dict):
+        kwargs = {**nested, **kwargs}
+    synthesis = _child(rec, "synthesis")
+    if synthesis is not None:
+        blocks = [b for name, b in synthesis.children.items() if name.startswith("b")]
+        if "num_fp16_res" not in kwargs and blocks:
+            kwargs["num_fp16_res"] = _fp16_count(blocks)
+        layer = _child(synthesis, "b4", "conv1")
+        if "conv_clamp" not in kwargs and layer is not None and "conv_clamp" in layer.attributes:
+            kwargs["conv_clamp"] = jsonable(layer.attributes["conv_clamp"])
+    mapping = _child(rec, "mapping")
+    mapping_kwargs = dict(kwargs.get("mapping_kwargs") or {})
+    if mapping is not None and "w_avg_beta" not in mapping_kwargs and "w_avg_beta" in mapping.attributes:
+        mapping_kwargs["w_avg_beta"] = jsonable(mapping.attributes["w_avg_beta"])
+    kwargs["mapping_kwargs"] = mapping_kwargs
+    return kwargs
+
+
+def _discriminator_kwargs(rec) -> dict:
+    """Like _generator_kwargs: fill num_fp16_res / conv_clamp from the saved blocks when absent."""
+    kwargs = _record_kwargs(rec, "Discriminator", _DISCRIMINATOR_POSITIONAL)
+    blocks = [b for name, b in rec.children.items() if name.startswith("b") and name != "b4"]
+    if "num_fp16_res" not in kwargs and blocks:
+        kwargs["num_fp16_res"] = _fp16_count(blocks)
+    first = _child(rec, f"b{kwargs.get('img_resolution')}", "conv0")
+    if "conv_clamp" not in kwargs and first is not None and "conv_clamp" in first.attributes:
+        kwargs["conv_clamp"] = jsonable(first.attributes["conv_clamp"])
+    return kwargs
+
+
 def generator_from_record(rec) -> Generator:
     """Build our Generator from a pickled NVlabs Generator record and load its state (strict)."""
-    G = _build(Generator, _record_kwargs(rec, "Generator", _GENERATOR_POSITIONAL), "generator")
+    G = _build(Generator, _generator_kwargs(rec), "generator")
     load_state_strict(G, rec.state_dict(), "StyleGAN2 generator")
     return G
 
 
 def discriminator_from_record(rec) -> Discriminator:
     """Build our Discriminator from a pickled NVlabs Discriminator record and load its state (strict)."""
-    D = _build(Discriminator, _record_kwargs(rec, "Discriminator", _DISCRIMINATOR_POSITIONAL), "discriminator")
+    D = _build(Discriminator, _discriminator_kwargs(rec), "discriminator")
     load_state_strict(D, rec.state_dict(), "StyleGAN2 discriminator")
     return D

@@ -1,6 +1,7 @@
 """StyleGAN2 networks and their ops: NVlabs references, op semantics, training-time autograd."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -74,6 +75,46 @@ def test_generator_reproduces_nvlabs_reference(networks, testdata, name, key):
         out = G(z, c, truncation_psi=psi, truncation_cutoff=None, noise_mode="const", force_fp32=True)
     assert out.dtype == torch.float32
     assert_matches_reference(out[0].numpy(), refs[key], f"{name} {key}")
+
+
+def _walk(rec, prefix=""):
+    yield prefix, rec
+    for name, child in rec.children.items():
+        yield from _walk(child, f"{prefix}{name}.")
+
+
+@pytest.mark.parametrize("name", SG2_PICKLES)
+@pytest.mark.parametrize("which", ["G_ema", "D"])
+def test_precision_settings_match_the_saved_networks(networks, name, which):
+    rec = networks[name][which]
+    net = generator_from_record(rec) if which == "G_ema" else discriminator_from_record(rec)
+    modules = dict(net.named_modules())
+    checked = 0
+    for prefix, child in _walk(rec):
+        ours = modules[prefix.rstrip(".")]
+        for attr in ("use_fp16", "conv_clamp", "w_avg_beta", "architecture"):
+            if attr in child.attributes:
+                assert getattr(ours, attr) == child.attributes[attr], f"{which}.{prefix}{attr}"
+                checked += 1
+    assert checked > 10
+
+
+def test_stylegan2_ada_style_record(networks, testdata):
+    """stylegan2-ada-pytorch nests synthesis_kwargs and has other defaults; the saved tree decides."""
+    rec = networks["sg2_cond4_64_fp16"]["G_ema"]
+    ada = dataclasses.replace(rec, init_kwargs={
+        "z_dim": 64, "c_dim": 4, "w_dim": 64, "img_resolution": 64, "img_channels": 3,
+        "mapping_kwargs": {"num_layers": 2}, "synthesis_kwargs": {"channel_base": 1024, "channel_max": 64}})
+    G = generator_from_record(ada).eval()
+    assert G.init_kwargs["num_fp16_res"] == 2 and G.init_kwargs["conv_clamp"] == 256
+    assert G.synthesis.b64.use_fp16 and not G.synthesis.b16.use_fp16
+    assert G.synthesis.b64.conv1.conv_clamp == 256
+    assert "synthesis_kwargs" not in G.init_kwargs
+    z, c, psi = reference_inputs("seed0_psi1.0", 64, 4)
+    with torch.no_grad():
+        out = G(z, c, truncation_psi=psi)[0].numpy()
+    ref = np.load(testdata / "stylegan" / "sg2_cond4_64_fp16_ref.npz")["seed0_psi1.0"]
+    assert_matches_reference(out, ref, "ADA-style record")
 
 
 def test_fp16_configured_network_runs_fp32_on_cpu(networks):
