@@ -161,10 +161,6 @@ def detect_from_keys(shapes: dict[str, tuple[int, ...]], name_hint: str = "") ->
             return Detection("sd2")
         return Detection("sd2", needs_v_probe=True)
     if has("cond_stage_model.transformer."):
-        ctx = shapes.get(UNET + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight")
-        if ctx and ctx[-1] != 768:
-            raise ModelLoadError(f"{name or 'this file'} has an SD 1.x text tower but a UNet with "
-                                 f"{ctx[-1]}-wide cross-attention; it is not a model this backend knows")
         return Detection("sd15")
     if has("cond_stage_model."):
         raise ModelLoadError(f"{name or 'this file'} has a text encoder this backend does not know")
