@@ -386,8 +386,8 @@ def modulated_conv2d(
     # fp16 has a small range: scale weight and styles to max-abs 1 first. Demodulation
     # divides the scale back out, so the result is unchanged in exact arithmetic.
     if x.dtype == torch.float16 and demodulate:
-        weight = weight * (1 / math.sqrt(I * kh * kw) / weight.norm(float("inf"), dim=[1, 2, 3], keepdim=True))
-        styles = styles / styles.norm(float("inf"), dim=1, keepdim=True)
+        weight = weight * (1 / math.sqrt(I * kh * kw) / weight.abs().amax(dim=[1, 2, 3], keepdim=True))
+        styles = styles / styles.abs().amax(dim=1, keepdim=True)
 
     w = None
     dcoefs = None
