@@ -92,7 +92,14 @@ def _load_storage_from_bytes(data: bytes):
     # torch pickles each storage as a tiny torch.save() archive; read it with the weights-only unpickler.
     if not isinstance(data, (bytes, bytearray)):
         raise UnsafeModelError("tensor storage in network pickle is not a byte string")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message suggests weights_only=False; that is exactly what must never happen here.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeModelError(
+            "refusing to load: a tensor inside the network pickle asks to run code or import names "
+            f"that a plain tensor never needs ({first[:160]})") from None
 
 
 class _EasyDict(dict):

@@ -197,9 +197,6 @@ def test_malicious_tensor_storage_is_refused(tmp_path, marker):
     assert not marker.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="models/nvlabs_pickle.py reports a refused storage blob as a parse error "
-                                       "(ModelLoadError quoting torch's 'weights_only=False' advice); it should be "
-                                       "UnsafeModelError. Remove this marker once the reader maps it.")
 def test_malicious_tensor_storage_is_reported_as_unsafe(tmp_path):
     class Exploit:
         def __reduce__(self):
@@ -208,8 +205,9 @@ def test_malicious_tensor_storage_is_reported_as_unsafe(tmp_path):
     buf = io.BytesIO()
     torch.save({"x": Exploit()}, buf)
     data = b"\x80\x03ctorch.storage\n_load_from_bytes\n" + pickle.dumps((buf.getvalue(),), protocol=3)[2:-1] + b"R."
-    with pytest.raises(UnsafeModelError):
+    with pytest.raises(UnsafeModelError) as info:
         load_pickle_bytes(data)
+    assert "weights_only=False" not in str(info.value)
 
 
 @pytest.mark.parametrize("content", [b"", b"not a pickle at all", b"\x80\x04\x95", b"\x80\x02}q\x00(X"])
