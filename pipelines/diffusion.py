@@ -34,8 +34,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 import optim
 from core.device import peak_memory_bytes, reset_peak_memory
-from core.errors import (AtelierError, Cancelled, InputError, ModelLoadError, OptionalDependencyError,
-                         ResourceError, UnsafeModelError)
+from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, ResourceError, UnsafeModelError
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationResult, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
 from pipelines.base import module_bytes
@@ -69,36 +68,52 @@ class LoadedDiffusion:
         return self.hash
 
 
-def load_diffusion(model_ref: str, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-                   cache_dir: str | Path | None = None, *, single_file_config: str | Path | None = None,
+def load_diffusion(model_ref: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                   cache_dir: str | Path | None = None, *, flags: OptimizationFlags | None = None,
+                   hf_cache_dir: str | Path | None = None, single_file_config: str | Path | None = None,
                    check_weights: bool = True) -> LoadedDiffusion:
     """Load a hub id, a diffusers folder or a single-file checkpoint.
 
-    `cache_dir` is the Hugging Face cache to use (None = the standard one). `single_file_config`
-    replaces the bundled config folder for a single file (a diffusers-layout folder of JSON configs).
-    Weights are checked for NaN/Inf unless `check_weights` is False. With `device` the pipeline is
-    moved there; otherwise it stays on the CPU.
+    `dtype` of the weights; None = from `flags.precision` (fp16 weights on a GPU, bf16 anywhere, else fp32).
+    `cache_dir` is Atelier's own cache (file hashes are remembered there). Hub ids live in the standard
+    Hugging Face cache, or in `hf_cache_dir` when given. `single_file_config` replaces the bundled config
+    folder for a single file (a diffusers-layout folder of JSON configs). Weights are checked for NaN/Inf
+    unless `check_weights` is False. With `device` the pipeline is moved there; otherwise it stays on the CPU.
     """
     ref = str(model_ref or "").strip()
     if not ref:
         raise ModelLoadError("no diffusion model given: name a Hugging Face id (e.g. stabilityai/sd-turbo), "
                              "a diffusers folder, or a .safetensors checkpoint")
+    dev = torch.device(device) if device is not None else None
+    if dtype is None:
+        dtype = weights_dtype(flags, dev)
+    hash_cache = Path(cache_dir) / "model_hashes.json" if cache_dir else None
     p = Path(ref).expanduser()
     if p.is_dir():
         loaded = _load_folder(p, dtype, ref, source="folder")
     elif p.is_file():
-        loaded = _load_single_file(p, dtype, ref, single_file_config)
+        loaded = _load_single_file(p, dtype, ref, single_file_config, hash_cache)
     elif _looks_like_path(ref):
         raise ModelLoadError(f"no file or folder at {p}")
     elif HUB_ID.match(ref):
-        loaded = _load_hub(ref, dtype, cache_dir)
+        loaded = _load_hub(ref, dtype, hf_cache_dir)
     else:
         raise ModelLoadError(f"{ref!r} is neither an existing file/folder nor a Hugging Face id (owner/name)")
     if check_weights:
         check_finite_weights(_named_weights(loaded.pipe), Path(loaded.path or ref).name)
-    if device is not None:
-        loaded.pipe.to(torch.device(device))
+    if dev is not None:
+        loaded.pipe.to(dev)
     return loaded
+
+
+def weights_dtype(flags: OptimizationFlags | None, device: torch.device | None) -> torch.dtype:
+    """Weights in half precision halve the memory of a diffusion model; fp16 kernels only pay off on a GPU."""
+    precision = flags.precision if flags is not None else "fp32"
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16" and device is not None and device.type == "cuda":
+        return torch.float16
+    return torch.float32
 
 
 def _looks_like_path(ref: str) -> bool:
@@ -129,9 +144,23 @@ def _load_folder(folder: Path, dtype: torch.dtype, ref: str, source: str, name_h
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
         raise ModelLoadError(f"could not load the diffusers folder {folder}: {_first_line(exc)}") from None
     pipe.set_progress_bar_config(disable=True)
-    commit = folder.name if source == "hf-cache" and re.fullmatch(r"[0-9a-f]{40}", folder.name) else None
-    return LoadedDiffusion(pipe, det.arch, source, ref, str(folder), (commit or _folder_fingerprint(folder))[:10],
+    snapshot = _hub_snapshot_of(folder)
+    if snapshot is not None:      # a folder inside the HF cache is that hub model: name it by id and commit
+        repo_id, commit = snapshot
+        return LoadedDiffusion(pipe, det.arch, "hf-cache", ref if HUB_ID.match(ref) else repo_id, str(folder),
+                               commit[:10], _folder_size(folder), list(det.notes))
+    return LoadedDiffusion(pipe, det.arch, source, ref, str(folder), _folder_fingerprint(folder)[:10],
                            _folder_size(folder), list(det.notes))
+
+
+def _hub_snapshot_of(folder: Path) -> tuple[str, str] | None:
+    """('owner/name', commit) when `folder` is <cache>/models--owner--name/snapshots/<commit>."""
+    parts = folder.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", parts[-1]) \
+            and parts[-3].startswith("models--") and parts[-3].count("--") >= 2:
+        owner, name = parts[-3][len("models--"):].split("--", 1)
+        return f"{owner}/{name}", parts[-1]
+    return None
 
 
 def _hub_offline() -> bool:
@@ -241,7 +270,8 @@ def _torch_load_weights_only(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_single_file(path: Path, dtype: torch.dtype, ref: str, config: str | Path | None) -> LoadedDiffusion:
+def _load_single_file(path: Path, dtype: torch.dtype, ref: str, config: str | Path | None,
+                      hash_cache: Path | None = None) -> LoadedDiffusion:
     if path.suffix.lower() == ".safetensors":
         det = dcat.detect_from_keys(dcat.safetensors_shapes(path), path.name)
         state = read_state_dict(path)
@@ -266,7 +296,8 @@ def _load_single_file(path: Path, dtype: torch.dtype, ref: str, config: str | Pa
         else:
             notes.append("SD 2.x checkpoint detected as ε-prediction (512 base) by a one-step probe")
     pipe.set_progress_bar_config(disable=True)
-    return LoadedDiffusion(pipe, arch, "single-file", ref, str(path), file_sha256(path)[:10], path.stat().st_size, notes)
+    return LoadedDiffusion(pipe, arch, "single-file", ref, str(path), file_sha256(path, hash_cache)[:10],
+                           path.stat().st_size, notes)
 
 
 def assemble_single_file(state: dict[str, torch.Tensor], arch: str, dtype: torch.dtype, config: Path, name: str = ""):
@@ -467,11 +498,18 @@ _ALIASES = {"euler_a": "euler-a", "euler ancestral": "euler-a", "k_euler_a": "eu
             "automatic": "default", "": "default", "lms karras": "lms-karras"}
 
 
+_SCHEDULE_TYPES = ("automatic", "uniform", "karras", "exponential", "polyexponential", "sgm uniform", "normal", "simple")
+
+
 def resolve_scheduler_name(name: str | None, schedule_type: str | None = None) -> str:
     """Our name for a sampler: accepts ours ('dpm++2m-karras'), A1111's ('DPM++ 2M Karras', or 'DPM++ 2M'
     with schedule type 'Karras' as A1111 1.9+ writes it) and a few common spellings."""
     raw = (name or "default").strip()
     key = raw.lower()
+    for suffix in _SCHEDULE_TYPES:           # 'DPM++ 2M Karras' as one string, or 'Euler a Automatic'
+        if key.endswith(" " + suffix) and key not in _ALIASES and not any(key == s.label.lower() for s in SCHEDULERS.values()):
+            key, schedule_type = key[: -len(suffix) - 1].strip(), schedule_type or suffix
+            break
     for canon, spec in SCHEDULERS.items():
         if key == spec.label.lower():
             key = canon
@@ -590,43 +628,16 @@ class DiffusionPipeline:
 
     # -- optimization flags -------------------------------------------------------------------------
     def _apply_flags(self, flags: OptimizationFlags) -> dict:
-        pipe, device = self.pipe, self.device
-        unet, report = optim.prepare(pipe.unet, flags, device, kind="diffusion")
-        if unet is not pipe.unet and hasattr(unet, "config"):
-            pipe.unet = unet
-        report.setdefault("precision", {})["weights"] = str(pipe.unet.dtype).replace("torch.", "")
-        memory = list(flags.memory)
-        applied, skipped = [], []
-        if "cpu-offload" in memory:
-            if device.type == "cuda":
-                pipe.enable_model_cpu_offload(device=device)
-                applied.append("cpu-offload")
-            else:
-                skipped.append("cpu-offload (only useful with a GPU)")
-                pipe.to(device)
-        else:
-            pipe.to(device)
-        if "attention-slicing" in memory:
-            pipe.enable_attention_slicing()
-            applied.append("attention-slicing")
-        if "vae-slicing" in memory:
-            pipe.vae.enable_slicing()
-            applied.append("vae-slicing")
-        if "vae-tiling" in memory:
-            pipe.vae.enable_tiling()
-            applied.append("vae-tiling")
-        unknown = [m for m in memory if m not in ("cpu-offload", "attention-slicing", "vae-slicing", "vae-tiling")]
-        skipped += [f"{m} (unknown)" for m in unknown]
-        if memory:
-            report["memory"] = {"applied": bool(applied) and not skipped, "mode": ",".join(applied) or "none",
-                                "reason": ("skipped: " + "; ".join(skipped)) if skipped else "diffusers memory savers"}
-        if flags.channels_last:
-            pipe.unet.to(memory_format=torch.channels_last)
-            report["channels_last"] = {"applied": True, "reason": "UNet weights in channels_last"}
-        if flags.strict:
-            failed = {k: v.get("reason", "") for k, v in report.items() if k in ("memory",) and not v.get("applied")}
-            if failed:
-                raise OptionalDependencyError("--strict: " + "; ".join(f"{k}: {r}" for k, r in failed.items()))
+        """Place the pipeline and hand it to optim/, which owns every toggle (precision, channels_last,
+        attention, compile, memory savers incl. CPU offload) and reports what ran and why not."""
+        offload = "cpu-offload" in flags.memory and self.device.type == "cuda"
+        if not offload:                 # with offload, accelerate places each model only while it runs
+            self.pipe.to(self.device)
+        root, report = optim.prepare(self.pipe, flags, self.device, kind="diffusion")
+        if root is not self.pipe and hasattr(root, "unet"):
+            self.pipe = root
+        report = dict(report)
+        report["precision"] = dict(report.get("precision", {}), weights=_dtype_name(self.pipe.unet.dtype))
         return report
 
     def memory_bytes(self) -> int:

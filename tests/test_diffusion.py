@@ -293,6 +293,9 @@ def test_scheduler_names_from_a1111():
     assert resolve_scheduler_name("DPM++ 2M", "Automatic") == "dpm++2m"
     assert resolve_scheduler_name("DDIM") == "ddim" and resolve_scheduler_name("LCM") == "lcm"
     assert resolve_scheduler_name(None) == "default"
+    assert resolve_scheduler_name("DPM++ 2M Automatic") == "dpm++2m"          # 'sampler schedule' in one string
+    assert resolve_scheduler_name("Euler a Automatic") == "euler-a"
+    assert resolve_scheduler_name("DPM++ 2M SDE Karras") == "dpm++2m-sde-karras"
 
 
 def test_scheduler_keeps_model_config(sd):

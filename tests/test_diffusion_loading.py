@@ -222,6 +222,15 @@ def test_missing_paths_and_bad_refs(tmp_path):
         load_diffusion(str(tmp_path / "empty"))
 
 
+def test_weights_dtype_follows_precision_flag(tiny):
+    loaded = load_diffusion(str(tiny / "tiny-sd"), flags=OptimizationFlags(precision="bf16"))
+    assert loaded.pipe.unet.dtype == torch.bfloat16 and loaded.pipe.vae.dtype == torch.bfloat16
+    cpu_fp16 = load_diffusion(str(tiny / "tiny-sd"), device="cpu", flags=OptimizationFlags(precision="fp16"))
+    assert cpu_fp16.pipe.unet.dtype == torch.float32        # fp16 kernels do not pay off on a CPU
+    res = run(loaded)
+    assert np.isfinite(res.raw).all() and res.metadata[0]["dtype"] == "bfloat16"
+
+
 # -- the Hugging Face cache, offline ----------------------------------------------------------------------------
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -247,18 +256,21 @@ def make_hf_cache(src: Path, cache: Path, repo_id: str) -> Path:
 def test_hub_id_from_the_cache_offline(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     make_hf_cache(tiny / "tiny-sd", tmp_path / "hub", "atelier-test/tiny-sd")
-    loaded = load_diffusion("atelier-test/tiny-sd", cache_dir=tmp_path / "hub")
+    loaded = load_diffusion("atelier-test/tiny-sd", hf_cache_dir=tmp_path / "hub")
     assert (loaded.source, loaded.arch, loaded.hash) == ("hf-cache", "sd15", COMMIT[:10])
     assert np.array_equal(run(loaded).raw, run(load_diffusion(str(tiny / "tiny-sd"))).raw)
     entries = dcat.scan_hf_cache(tmp_path / "hub")
     assert [(e.id, e.kind, e.source) for e in entries] == [("atelier-test/tiny-sd", "sd15", "hf-cache")]
     assert entries[0].size_bytes and entries[0].size_bytes > 0
+    # the catalogue hands the snapshot path to the loader: it is still named by its hub id and commit
+    by_path = load_diffusion(entries[0].path)
+    assert (by_path.ref, by_path.source, by_path.hash) == ("atelier-test/tiny-sd", "hf-cache", COMMIT[:10])
 
 
 def test_hub_id_not_in_cache_offline_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as err:
-        load_diffusion("stabilityai/sd-turbo", cache_dir=tmp_path / "empty-cache")
+        load_diffusion("stabilityai/sd-turbo", hf_cache_dir=tmp_path / "empty-cache")
     msg = str(err.value)
     assert "stabilityai/sd-turbo" in msg and "not in the local cache" in msg and "huggingface-cli download" in msg
 
