@@ -16,7 +16,7 @@ from core.errors import ModelLoadError, UnsafeModelError
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
 from pipelines.diffusion import DiffusionPipeline, clip_tokenizer, load_diffusion
-from tests.diffusion_tiny import build_tiny_sd, build_tiny_sdxl, pipeline_to_ldm
+from tests.diffusion_tiny import build_tiny_sd, build_tiny_sdxl, open_clip_to_ldm, pipeline_to_ldm
 
 CPU = torch.device("cpu")
 
@@ -137,6 +137,27 @@ def test_single_file_with_bundled_config_fails_clearly_on_wrong_sizes(tiny):
     # The tiny UNet is not the 860M SD 1.5 UNet the bundled config describes: a clear error, not a crash.
     with pytest.raises(ModelLoadError, match="do not fit the sd15 layout"):
         load_diffusion(str(tiny / "tiny-sd-single.safetensors"))
+
+
+@pytest.mark.parametrize("bias, arch, prediction", [(-2.0, "sd2-v", "v_prediction"), (0.5, "sd2", "epsilon")])
+def test_sd2_single_file_epsilon_or_v_is_probed(tiny, tmp_path, bias, arch, prediction):
+    # An SD 2.x file (OpenCLIP text tower) whose name says nothing: one UNet call at t=999 decides.
+    # A UNet that returns its input is an ε-model; one that returns about -x0 is a v-model.
+    pipe = load_diffusion(str(tiny / "tiny-sd")).pipe
+    with torch.no_grad():
+        pipe.unet.conv_out.weight.zero_()
+        pipe.unet.conv_out.bias.fill_(bias)
+    sd = {k: v for k, v in pipeline_to_ldm(pipe).items() if not k.startswith("cond_stage_model.")}
+    te = {"text_model." + k: v for k, v in pipe.text_encoder.state_dict().items()}
+    sd.update(open_clip_to_ldm(te, "cond_stage_model.model."))
+    f = tmp_path / "my-finetune.safetensors"
+    save_file(sd, str(f))
+    assert dcat.detect_from_keys(dcat.safetensors_shapes(f), f.name).needs_v_probe
+    loaded = load_diffusion(str(f), single_file_config=tiny / "tiny-sd")
+    assert loaded.arch == arch and loaded.pipe.scheduler.config.prediction_type == prediction
+    assert any("by a one-step probe" in n for n in loaded.notes)
+    assert torch.equal(loaded.pipe.text_encoder.state_dict()["embeddings.token_embedding.weight"],
+                       pipe.text_encoder.state_dict()["embeddings.token_embedding.weight"])
 
 
 def test_ckpt_read_weights_only(tiny, tmp_path):
