@@ -184,7 +184,7 @@ class MemoryHistory:
         self.min_interval_s = min_interval_s
         self._read = reader
         self._lock = threading.Lock()
-        self._samples: deque[MemorySample] = deque(maxlen=int(window_s / min_interval_s) + 2)
+        self._samples: deque[MemorySample] = deque(maxlen=int(window_s / max(min_interval_s, 0.05)) + 2)
         self._last: MemoryReading | None = None
         self._last_t = 0.0
 

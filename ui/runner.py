@@ -136,11 +136,14 @@ class StudioRuntime:
         backend = spec.request.backend
         err = box.get("error")
         snap = tracker.snapshot()
-        if isinstance(err, Cancelled):
+        result = box.get("result")
+        if isinstance(err, Cancelled) or (err is None and getattr(result, "cancelled", False)):
             msg = f"Stopped at step {snap.step}/{snap.total}." if snap.total else "Stopped."
             tracker.finish(STOPPED, job.timings_ms, message=msg)
             self.metrics.observe_job(backend, "stopped", job.timings_ms)
             return Progress(done=True, state=STOPPED, message=msg)
+        if isinstance(err, ImportError):   # a backend whose optional packages are missing
+            err = AtelierError(f"the {backend} backend cannot run here: {err}. Install the packages in requirements.txt")
         if err is not None:
             if not isinstance(err, AtelierError):
                 log.exception("generation failed", exc_info=err)
@@ -149,7 +152,6 @@ class StudioRuntime:
             self.metrics.observe_job(backend, "failed", job.timings_ms)
             return Progress(done=True, state=FAILED, message=msg, error=err)
         items: list[ResultItem] = box["items"]
-        result = box.get("result")
         total_ms = sum(job.timings_ms.values())
         n = len(items) if spec.kind != "images" else len(result.images)
         what = {"style-mix": "style-mix grid", "interpolate": "animation"}.get(spec.kind, "image" if n == 1 else "images")
@@ -176,6 +178,8 @@ class StudioRuntime:
         req = spec.request
         if spec.kind in ("images", "diffusion"):
             result = manager.generate(req, job)
+            if result.cancelled:      # diffusion stops by returning an empty, cancelled result
+                return [], result
             with job.stage("save"):
                 items = []
                 for i, img in enumerate(result.images):

@@ -28,7 +28,7 @@ from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
 from ui import panel
 from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, controls_from_params, job_spec,
-                         random_seed)
+                         random_seed, size_label)
 from ui.runner import MAX_GALLERY, StudioRuntime
 from ui.state import SessionState, new_session
 
@@ -83,18 +83,39 @@ def _scheduler_choices() -> list[str]:
         from pipelines import diffusion
     except Exception:   # not landed yet, or diffusers missing: offer the common names
         return list(DEFAULT_SCHEDULERS)
-    names = getattr(diffusion, "SCHEDULERS", None) or getattr(diffusion, "SCHEDULER_NAMES", None)
+    names = getattr(diffusion, "SCHEDULER_NAMES", None) or getattr(diffusion, "SCHEDULERS", None)
     names = list(names) if names else list(DEFAULT_SCHEDULERS)
     return names if "default" in names else ["default"] + names
 
 
 def _match_scheduler(hint: str, choices: list[str]) -> str:
-    """'DPM++ 2M Karras' (A1111) -> 'dpm++-2m-karras' when such a choice exists, else 'default'."""
+    """'DPM++ 2M Karras' (A1111) -> our name for it when such a choice exists, else 'default'."""
+    try:
+        from pipelines.diffusion import resolve_scheduler_name
+
+        name = resolve_scheduler_name(hint)
+        if name in choices:
+            return name
+    except Exception:   # diffusion backend missing, or a sampler it does not know
+        pass
     key = hint.strip().lower().replace(" ", "-").replace("_", "-")
     for c in choices:
         if c.lower().replace("_", "-") == key:
             return c
     return "default" if "default" in choices else choices[0]
+
+
+def _diffusion_defaults(services: Services, model_id: str | None) -> dict | None:
+    """The model's native size, steps, guidance and scheduler (SD-Turbo wants 1 step and guidance 0)."""
+    if not model_id:
+        return None
+    kind = next((e.kind for e in services.catalogue.entries("diffusion") if model_id in (e.id, e.path)), None)
+    try:
+        from pipelines.diffusion import defaults_for
+
+        return defaults_for(kind) if kind else None
+    except Exception:   # unknown architecture name or the backend is missing: keep the controls as they are
+        return None
 
 
 def _gallery_value(items) -> list[tuple[str, str]]:
@@ -121,45 +142,37 @@ def build_app(services: Services) -> gr.Blocks:
     with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
         # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
         session = gr.State(new_session, delete_callback=lambda s: s.cancel())
-        with gr.Row(elem_id="at-header"):
-            gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo")
+        with gr.Row(elem_id="at-header", equal_height=True):
+            gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo", scale=1, min_width=150)
+            C["backend"] = gr.Radio([("StyleGAN", "stylegan"), ("Diffusion", "diffusion")], value="stylegan",
+                                    label="Backend", elem_id="backend-select", scale=2, min_width=230)
+            C["model"] = gr.Dropdown(sg_choices, value=sg_default, label="Model", allow_custom_value=True,
+                                     elem_id="model-select", scale=7, info=sg_note or None)
+            refresh_btn = gr.Button("↻", elem_id="model-refresh", scale=0, min_width=44, size="sm")
 
         with gr.Row(elem_id="at-main", equal_height=False):
             # ---------------------------------------------------------------- controls
             with gr.Column(scale=5, min_width=360, elem_id="at-controls"):
-                C["backend"] = gr.Radio([("StyleGAN", "stylegan"), ("Diffusion", "diffusion")], value="stylegan",
-                                        label="Backend", elem_id="backend-select")
-                with gr.Row(elem_id="at-model-row"):
-                    C["model"] = gr.Dropdown(sg_choices, value=sg_default, label="Model", allow_custom_value=True,
-                                             elem_id="model-select", scale=8, info=sg_note or None)
-                    refresh_btn = gr.Button("↻", elem_id="model-refresh", scale=0, min_width=44, size="sm")
-                with gr.Accordion("Add a model (file path or Hugging Face id)", open=False, elem_id="add-model"):
-                    with gr.Row():
-                        add_ref = gr.Textbox(show_label=False, placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
-                                             elem_id="add-model-input", scale=5)
-                        add_btn = gr.Button("Add", elem_id="add-model-btn", scale=1, min_width=70)
-                    add_status = gr.Markdown("", elem_id="add-model-status")
                 with gr.Row(elem_id="at-seed-row"):
                     C["seed"] = gr.Textbox("0-7", label="Seeds (e.g. 0-7, 42)", elem_id="seed-input", scale=8)
                     dice_btn = gr.Button("🎲", elem_id="seed-dice", scale=0, min_width=44, size="sm")
 
                 # StyleGAN controls
                 with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
-                    with gr.Row():
-                        C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
-                                                        elem_id="psi-input", info="1 = no truncation; lower = closer to the average")
+                    C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
+                                                    elem_id="psi-input", info="1 = none; lower = closer to the average face")
                     with gr.Row():
                         C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
-                                                   elem_id="noise-mode")
-                        C["class_index"] = gr.Number(None, label="Class (conditional models)", precision=0,
-                                                     minimum=0, elem_id="class-input")
+                                                   elem_id="noise-mode", scale=3)
+                        C["class_index"] = gr.Textbox("", label="Class", placeholder="none", elem_id="class-input",
+                                                      scale=1, min_width=90)
                     with gr.Tabs(elem_id="sg-tabs") as sg_tabs:
                         with gr.Tab("Images", id="images") as tab_images:
                             with gr.Row():
-                                C["sg_batch_size"] = gr.Slider(1, 64, value=8, step=1, label="Batch size (per forward pass)",
-                                                               elem_id="sg-batch")
-                                C["truncation_cutoff"] = gr.Number(None, label="Truncation cutoff (layers)", precision=0,
-                                                                   minimum=0, elem_id="psi-cutoff")
+                                C["sg_batch_size"] = gr.Slider(1, 64, value=8, step=1, label="Batch size",
+                                                               elem_id="sg-batch", scale=3)
+                                C["truncation_cutoff"] = gr.Textbox("", label="ψ cutoff", placeholder="all layers",
+                                                                    elem_id="psi-cutoff", scale=1, min_width=90)
                         with gr.Tab("Style mixing", id="style-mix") as tab_mix:
                             with gr.Row():
                                 C["mix_rows"] = gr.Textbox("1-4", label="Row seeds (give their styles)", elem_id="mix-rows")
@@ -180,7 +193,7 @@ def build_app(services: Services) -> gr.Blocks:
                     C["sg_mode"] = gr.Textbox("images", visible=False, elem_id="sg-mode")
 
                 # diffusion controls
-                with gr.Group(visible=False, elem_id="diffusion-controls") as df_group:
+                with gr.Group(visible="hidden", elem_id="diffusion-controls") as df_group:
                     C["prompt"] = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt-input",
                                              placeholder="a watercolor fox in a misty forest, soft light")
                     C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1, elem_id="negative-prompt-input",
@@ -200,8 +213,8 @@ def build_app(services: Services) -> gr.Blocks:
                     with gr.Accordion("Image to image", open=False, elem_id="img2img"):
                         C["init_image"] = gr.Image(type="filepath", label="Start image", sources=["upload", "clipboard"],
                                                    elem_id="init-image", height=180)
-                        C["strength"] = gr.Slider(0.05, 1.0, value=0.75, step=0.05, label="Strength (how far from the start image)",
-                                                  elem_id="strength-input")
+                        C["strength"] = gr.Slider(0.05, 1.0, value=0.75, step=0.05,
+                                                  label="Strength (how far from the start image)", elem_id="strength-input")
 
                 # optimization toggles
                 with gr.Accordion("Optimization", open=True, elem_id="optimization-panel"):
@@ -210,20 +223,27 @@ def build_app(services: Services) -> gr.Blocks:
                                               elem_id="precision-select", info=why or None, interactive=ok)
                     _toggle_controls(C, avail)
 
-                with gr.Row(elem_id="at-actions"):
-                    generate_btn = gr.Button("Generate", variant="primary", size="lg", elem_id="generate-btn", scale=3)
-                    stop_btn = gr.Button("Stop", variant="stop", size="lg", elem_id="stop-btn", scale=1)
-                progress_box = gr.HTML(panel.render_progress(SessionState().tracker.snapshot(), None, 0),
-                                       elem_id="progress-box")
-                preview = gr.Image(label="Preview", visible=False, interactive=False, elem_id="preview-image", height=256)
+                with gr.Accordion("Add a model (file path or Hugging Face id)", open=False, elem_id="add-model"):
+                    with gr.Row():
+                        add_ref = gr.Textbox(show_label=False, placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
+                                             elem_id="add-model-input", scale=5)
+                        add_btn = gr.Button("Add", elem_id="add-model-btn", scale=1, min_width=70)
+                    add_status = gr.Markdown("", elem_id="add-model-status")
 
             # ---------------------------------------------------------------- results
             with gr.Column(scale=7, min_width=420, elem_id="at-results"):
+                with gr.Row(elem_id="at-actions"):
+                    generate_btn = gr.Button("Generate", variant="primary", size="lg", elem_id="generate-btn", scale=4)
+                    stop_btn = gr.Button("Stop", variant="stop", size="lg", elem_id="stop-btn", scale=1)
+                progress_box = gr.HTML(panel.render_progress(new_session().tracker.snapshot(), None, 0),
+                                       elem_id="progress-box")
+                preview = gr.Image(label="Preview", visible=False, interactive=False, elem_id="preview-image", height=256)
                 with gr.Tabs(elem_id="result-tabs"):
                     with gr.Tab("Results", id="results"):
-                        gallery = gr.Gallery(label="Results", columns=4, height=520, object_fit="contain",
-                                             allow_preview=True, format="png", elem_id="output-gallery",
-                                             buttons=["download", "fullscreen"], interactive=False)
+                        gallery = gr.Gallery(label="Results", show_label=False, columns=4, height=520,
+                                             object_fit="contain", allow_preview=True, format="png",
+                                             elem_id="output-gallery", buttons=["download", "fullscreen"],
+                                             interactive=False)
                         with gr.Row():
                             send_back_btn = gr.Button("Send parameters back", elem_id="send-back-btn", size="sm")
                             download_btn = gr.DownloadButton("Download with parameters", value=None, interactive=False,
@@ -234,15 +254,15 @@ def build_app(services: Services) -> gr.Blocks:
                         with gr.Row():
                             png_file = gr.File(label="Drop a PNG made here or in AUTOMATIC1111", type="filepath",
                                                file_types=[".png", ".jpg", ".jpeg", ".webp"], elem_id="pnginfo-file",
-                                               height=140)
-                            png_preview = gr.Image(label="Image", interactive=False, elem_id="pnginfo-image", height=200)
+                                               height=160)
+                            png_preview = gr.Image(label="Image", interactive=False, elem_id="pnginfo-image", height=220)
                         png_params = gr.JSON(label="Parameters", elem_id="pnginfo-json", open=True)
                         png_send_btn = gr.Button("Send to controls", elem_id="pnginfo-send", size="sm")
 
             # ---------------------------------------------------------------- live side panel
             with gr.Column(scale=3, min_width=250, elem_id="perf-panel"):
                 first = rt.memory.sample()
-                snap0 = SessionState().tracker.snapshot()
+                snap0 = new_session().tracker.snapshot()
                 device_html = gr.HTML(panel.render_device(first, False), elem_id="device-readout")
                 vram_html = gr.HTML(panel.render_memory(first, snap0), elem_id="vram-readout")
                 job_html = gr.HTML(panel.render_job(snap0, None, 0, 0), elem_id="job-readout")
@@ -274,7 +294,17 @@ def build_app(services: Services) -> gr.Blocks:
                 seed_update = gr.Textbox(label="Seed (empty = random)", value=first.group(1) if first else "")
                 sched_update = gr.Dropdown(choices=scheduler_choices())
             return (gr.Dropdown(choices=choices, value=default, info=note or None),
-                    gr.Group(visible=sg), gr.Group(visible=not sg), seed_update, sched_update)
+                    gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True), seed_update, sched_update)
+
+        def model_defaults(backend: str, model: str | None):
+            """Picking a diffusion model sets its native size, steps, guidance and scheduler."""
+            d = _diffusion_defaults(services, model) if backend == "diffusion" else None
+            if not d:
+                return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            sched = d.get("scheduler", "default")
+            return (gr.Slider(value=d["steps"]), gr.Slider(value=d["guidance"]),
+                    gr.Dropdown(value=size_label(d["width"], d["height"])),
+                    gr.Dropdown(value=sched if sched in scheduler_choices() else "default"))
 
         def list_models(backend: str, current: str | None):
             choices, default, note = _model_choices(services, backend)
@@ -355,7 +385,6 @@ def build_app(services: Services) -> gr.Blocks:
                 rt.queue.leave(sess.ticket)
                 sess.ticket = None
                 sess.tracker.finish(STOPPED, {}, message="The job did not start.")
-            return gr.skip()
 
         def stop(sess: SessionState):
             """Stop this session's job (running or waiting). Other sessions' jobs are not touched."""
@@ -406,8 +435,8 @@ def build_app(services: Services) -> gr.Blocks:
                 if name in C and name != "model":
                     out[C[name]] = value
             sg = backend == "stylegan"
-            out[sg_group] = gr.Group(visible=sg)
-            out[df_group] = gr.Group(visible=not sg)
+            out[sg_group] = gr.Group(visible=True if sg else "hidden")
+            out[df_group] = gr.Group(visible="hidden" if sg else True)
             if sg and vals.get("sg_mode"):
                 out[sg_tabs] = gr.Tabs(selected=vals["sg_mode"])
             return out
@@ -449,9 +478,13 @@ def build_app(services: Services) -> gr.Blocks:
 
         # -- wiring ------------------------------------------------------------------------------
         fast = dict(queue=False, show_progress="hidden")
+        diffusion_knobs = [C["steps"], C["guidance"], C["size"], C["scheduler"]]
         C["backend"].input(switch_backend, [C["backend"], C["seed"]],
                            [C["model"], sg_group, df_group, C["seed"], C["scheduler"]],
-                           api_name="switch_backend", **fast)
+                           api_name="switch_backend", **fast
+                           ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
+                                  api_name="backend_model_defaults", **fast)
+        C["model"].input(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name="model_defaults", **fast)
         refresh_btn.click(list_models, [C["backend"], C["model"]], C["model"], api_name="list_models", **fast)
         add_btn.click(add_model, [add_ref, C["backend"]], [C["model"], add_status], api_name="add_model", queue=False)
         add_ref.submit(add_model, [add_ref, C["backend"]], [C["model"], add_status], api_name="add_model_submit",
@@ -461,7 +494,7 @@ def build_app(services: Services) -> gr.Blocks:
             tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
 
         gen_event = generate_btn.click(prepare, controls + [session], [progress_box, timer],
-                                       api_name="queue_job", queue=False)
+                                       api_name="queue_job", **fast)
         gen_event.success(generate, controls + [session],
                           [gallery, preview, progress_box, selected_params, download_btn],
                           api_name="generate", concurrency_id="gpu", concurrency_limit=1,

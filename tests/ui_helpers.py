@@ -1,0 +1,34 @@
+"""Start the studio in-process on a free port of 127.0.0.1, for the API and browser tests."""
+from __future__ import annotations
+
+import contextlib
+import socket
+from pathlib import Path
+
+from core.settings import Settings
+from pipelines.services import build_services
+
+SG_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "testdata" / "stylegan"
+SG_UNCOND = SG_DIR / "sg2_uncond_32.pkl"
+SG_COND = SG_DIR / "sg2_cond4_64_fp16.pkl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_studio(tmp: Path, models=(SG_UNCOND, SG_COND), **settings_kw):
+    """Yields the running Blocks (`.local_url`, `.atelier_runtime`); closes it afterwards."""
+    from ui.studio import serve
+
+    settings = Settings(host="127.0.0.1", port=free_port(), extra_models=tuple(str(m) for m in models),
+                        models_dirs=(), output_dir=tmp / "outputs", cache_dir=tmp / "cache",
+                        default_stylegan_model=str(models[0]), **settings_kw)
+    demo = serve(build_services(settings), quiet=True)
+    try:
+        yield demo
+    finally:
+        demo.close()
