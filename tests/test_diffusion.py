@@ -128,6 +128,19 @@ def test_sdxl_equals_diffusers(sdxl_folder):
     assert np.array_equal(res.raw, nchw(ref))
 
 
+def test_sdxl_img2img_equals_diffusers(sdxl_folder):
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    init = Image.fromarray((np.random.RandomState(1).rand(64, 64, 3) * 255).astype(np.uint8))
+    res = DiffusionPipeline(load_diffusion(str(sdxl_folder)), OptimizationFlags(), CPU).generate(
+        GenerationRequest("diffusion", "tiny-sdxl", params(negative_prompt="", steps=4, init_image=init, strength=0.5)),
+        Job())
+    ref = StableDiffusionXLImg2ImgPipeline.from_pretrained(str(sdxl_folder))(
+        PROMPT, image=init, strength=0.5, num_inference_steps=4, guidance_scale=6.0,
+        generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
+    assert np.array_equal(res.raw, nchw(ref))
+
+
 # -- progress, previews and cancel ----------------------------------------------------------------------------
 
 def test_progress_reports_every_step_with_previews(sd):
