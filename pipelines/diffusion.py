@@ -99,10 +99,10 @@ def load_diffusion(model_ref: str, device: torch.device | str | None = None, dty
         loaded = _load_hub(ref, dtype, hf_cache_dir)
     else:
         raise ModelLoadError(f"{ref!r} is neither an existing file/folder nor a Hugging Face id (owner/name)")
-    if check_weights:
-        check_finite_weights(_named_weights(loaded.pipe), Path(loaded.path or ref).name)
     if dev is not None:
         loaded.pipe.to(dev)
+    if check_weights:     # after the move: on a GPU the sums over 7 GB of weights take milliseconds
+        check_finite_weights(_named_weights(loaded.pipe), Path(loaded.path or ref).name)
     return loaded
 
 
