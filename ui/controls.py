@@ -216,6 +216,8 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
             out["strength"] = float(meta["denoising_strength"])
         if meta.get("sampler"):
             out["scheduler_hint"] = str(meta["sampler"])
+            if meta.get("schedule_type"):
+                out["schedule_type_hint"] = str(meta["schedule_type"])
         return out
     backend = meta.get("backend")
     if backend not in ("stylegan", "diffusion"):

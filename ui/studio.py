@@ -88,12 +88,12 @@ def _scheduler_choices() -> list[str]:
     return names if "default" in names else ["default"] + names
 
 
-def _match_scheduler(hint: str, choices: list[str]) -> str:
+def _match_scheduler(hint: str, choices: list[str], schedule_type: str | None = None) -> str:
     """'DPM++ 2M Karras' (A1111) -> our name for it when such a choice exists, else 'default'."""
     try:
         from pipelines.diffusion import resolve_scheduler_name
 
-        name = resolve_scheduler_name(hint)
+        name = resolve_scheduler_name(hint, schedule_type)
         if name in choices:
             return name
     except Exception:   # diffusion backend missing, or a sampler it does not know
@@ -430,7 +430,8 @@ def build_app(services: Services) -> gr.Blocks:
                 choices = choices + [(model, model)]
             out[C["model"]] = gr.Dropdown(choices=choices, value=model)
             if "scheduler_hint" in vals:
-                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), scheduler_choices())
+                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), scheduler_choices(),
+                                                     vals.pop("schedule_type_hint", None))
             for name, value in vals.items():
                 if name in C and name != "model":
                     out[C[name]] = value
@@ -451,12 +452,12 @@ def build_app(services: Services) -> gr.Blocks:
         def read_png_info(path: str | None):
             """Parameters embedded in a PNG (Atelier's own, or AUTOMATIC1111's 'parameters' text)."""
             if not path:
-                return None, None
+                return None, None, None
             try:
                 params = read_png_params(path)
             except AtelierError as exc:
                 raise gr.Error(str(exc)) from None
-            return path, params
+            return path, params, None      # the drop zone empties, ready for the next file
 
         def send_png_params(params: dict | None):
             if not params:
@@ -506,7 +507,7 @@ def build_app(services: Services) -> gr.Blocks:
         timer.tick(telemetry, session, panel_outputs + [timer], api_name="telemetry", **fast)
         gallery.select(select_image, session, [selected_params, download_btn], api_name="select_image", **fast)
         send_back_btn.click(send_back, session, send_outputs, api_name="send_back", **fast)
-        png_file.change(read_png_info, png_file, [png_preview, png_params], api_name="read_png_info",
+        png_file.upload(read_png_info, png_file, [png_preview, png_params, png_file], api_name="read_png_info",
                         concurrency_id="files", concurrency_limit=4)
         png_send_btn.click(send_png_params, png_params, send_outputs, api_name="send_png_params", **fast)
         demo.load(page_load, session, panel_outputs + [timer], api_name="page_load", **fast)
