@@ -1,0 +1,198 @@
+"""Resumable training checkpoints: safetensors for tensors, one JSON for everything else.
+
+A checkpoint is a folder:
+
+    G.safetensors  G_ema.safetensors  D.safetensors      network state dicts (fp32)
+    opt_G.safetensors  opt_D.safetensors                 optimizer states (moments, step counts;
+                                                         hyperparameters in the file's metadata)
+    state.json                                           config, counters, sampler, augmentation p,
+                                                         running means, monitor history, file hashes
+
+No pickle anywhere: a checkpoint from someone else cannot run code. A file larger
+than `max_file_bytes` is split into NAME-00001-of-0000K.safetensors shards (to fit
+transfer limits). Each file is written under a temporary name and moved into place;
+state.json goes last and lists every file with its size and SHA-256, so a folder
+with a missing or half-written file is refused with a clear message instead of
+resuming from a mixture of two checkpoints.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from core.errors import InputError, ModelLoadError
+
+STATE_FILE = "state.json"
+FORMAT = "atelier-train-checkpoint/1"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], folder: Path, name: str, max_file_bytes: int | None = None,
+                 metadata: dict[str, str] | None = None) -> list[str]:
+    """Write `tensors` as NAME.safetensors or, above max_file_bytes, as shards; returns the file names."""
+    tensors = _cpu(tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if not max_file_bytes or total <= max_file_bytes:
+        _atomic_save(tensors, folder / f"{name}.safetensors", metadata)
+        return [f"{name}.safetensors"]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_file_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    names = []
+    for i, shard in enumerate(shards):
+        fname = f"{name}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _atomic_save(shard, folder / fname, metadata)
+        names.append(fname)
+    return names
+
+
+def load_tensors(folder: Path, files: list[str]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            out.update(load_file(str(folder / f)))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"could not read {folder / f}: {exc}") from None
+    return out
+
+
+# -- optimizers ------------------------------------------------------------------------------------
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split opt.state_dict() into tensors ('state.<param>.<key>') and a JSON-able rest."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"state.{pid}.{k}"] = v
+            else:
+                scalars.setdefault(str(pid), {})[k] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "class": type(opt).__name__}
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                   what: str) -> None:
+    if meta.get("class") != type(opt).__name__:
+        raise InputError(f"the checkpoint's {what} optimizer is {meta.get('class')}, this run builds "
+                         f"{type(opt).__name__}; resume with the same --optimizer / --loss")
+    state: dict[int, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        _, pid, k = key.split(".", 2)
+        state.setdefault(int(pid), {})[k] = t
+    for pid, sc in meta.get("scalars", {}).items():
+        state.setdefault(int(pid), {}).update(sc)
+    groups = meta["param_groups"]
+    own = opt.state_dict()["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own]:
+        raise InputError(f"the checkpoint's {what} optimizer covers a different set of parameters; "
+                         "resume with the same network settings")
+    try:
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise InputError(f"the {what} optimizer state does not fit this run: {exc}") from None
+
+
+# -- whole checkpoint ------------------------------------------------------------------------------
+
+def save_checkpoint(folder: str | Path, modules: dict[str, torch.nn.Module],
+                    optimizers: dict[str, torch.optim.Optimizer], state: dict[str, Any],
+                    max_file_bytes: int | None = 15 * 2**20) -> dict[str, int]:
+    """Write a complete checkpoint into `folder`; returns {file name: bytes}."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[str]] = {}
+    for name, module in modules.items():
+        files[name] = save_tensors(module.state_dict(), folder, name, max_file_bytes)
+    opt_meta = {}
+    for name, opt in optimizers.items():
+        tensors, meta = optimizer_tensors(opt)
+        files[name] = save_tensors(tensors, folder, name, max_file_bytes, metadata={"optimizer": json.dumps(meta)})
+        opt_meta[name] = meta
+    listing = {f: {"bytes": (folder / f).stat().st_size, "sha256": _sha256(folder / f)}
+               for fl in files.values() for f in fl}
+    doc = {"format": FORMAT, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
+           "listing": listing, "optimizers": opt_meta, **state}
+    tmp = folder / f".{STATE_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=True))
+    os.replace(tmp, folder / STATE_FILE)
+    # Shards of an earlier, differently split save would otherwise linger.
+    keep = set(listing) | {STATE_FILE}
+    for name in list(files):
+        for p in folder.glob(f"{name}*.safetensors"):
+            if p.name not in keep:
+                p.unlink()
+    return {f: v["bytes"] for f, v in listing.items()}
+
+
+def read_state(folder: str | Path) -> dict[str, Any]:
+    folder = Path(folder)
+    path = folder / STATE_FILE if folder.is_dir() else folder
+    if path.name != STATE_FILE:
+        raise InputError(f"--resume wants a run folder (holding {STATE_FILE}); got {path}")
+    if not path.is_file():
+        raise InputError(f"no checkpoint in {folder}: {STATE_FILE} is missing (was the run saved?)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from None
+    if doc.get("format") != FORMAT:
+        raise ModelLoadError(f"{path} is not an Atelier training checkpoint (format {doc.get('format')!r})")
+    return doc
+
+
+def verify(folder: str | Path, doc: dict[str, Any], check_hashes: bool = True) -> None:
+    folder = Path(folder)
+    for fname, info in doc["listing"].items():
+        p = folder / fname
+        if not p.is_file():
+            raise ModelLoadError(f"checkpoint file {p} is missing; copy the whole run folder")
+        if p.stat().st_size != info["bytes"]:
+            raise ModelLoadError(f"checkpoint file {p} has {p.stat().st_size} bytes, expected {info['bytes']}: "
+                                 "it is incomplete or from another save")
+        if check_hashes and _sha256(p) != info["sha256"]:
+            raise ModelLoadError(f"checkpoint file {p} does not match the SHA-256 recorded in {STATE_FILE}: "
+                                 "it is damaged or from another save")
+
+
+def load_checkpoint(folder: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """(state.json contents, {module or optimizer name: tensors}), after checking every file."""
+    folder = Path(folder)
+    if folder.is_file():
+        folder = folder.parent
+    doc = read_state(folder)
+    verify(folder, doc)
+    tensors = {name: load_tensors(folder, fl) for name, fl in doc["files"].items()}
+    return doc, tensors

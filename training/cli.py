@@ -1,0 +1,120 @@
+"""`python app.py train ...`: the training command line.
+
+    python app.py train --data PATH --resolution R --config stylegan2 --kimg N --out DIR
+                        [--resume DIR] [--loss r1|wgan-gp] [--minutes M] [--batch B] ...
+    python app.py train --preset emoji64 --out runs/emoji64 --minutes 8.5 [--resume runs/emoji64]
+    python app.py train --preset emoji64 --bench 30          # fp32 eager vs the fast path, img/s
+    python app.py train --export runs/emoji64 --to assets/models/emoji64   # G_ema -> fp16 safetensors
+
+`main(argv)` returns the exit status; app.py hands its remaining arguments here.
+Multi-GPU: launch the same command under torchrun or `accelerate launch`
+(see training/distributed.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from core.errors import AtelierError
+from training.config import AUG_MODES, AUG_PIPES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, build_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="app.py train", description="Train a StyleGAN2/3 on a folder or zip of images.")
+    a = ap.add_argument
+    a("--data", help="folder of images, .zip, or .npy/.npz/.npy.xz uint8 array (the emoji64 preset has its own)")
+    a("--out", default=None, help="run folder for checkpoints, log.jsonl and samples.png (default runs/<preset>)")
+    a("--config", "--preset", dest="preset", default="stylegan2", choices=PRESETS,
+      help="network/hyperparameter preset (default stylegan2)")
+    a("--resolution", type=int, default=0, help="train at this size (power of two); 0 = the data's own")
+    a("--kimg", type=float, default=None, help="length in thousands of real images shown to D")
+    a("--minutes", type=float, default=None,
+      help="wall-clock budget for the whole process; stops cleanly with --reserve-seconds left for saving")
+    a("--reserve-seconds", type=float, default=None)
+    a("--resume", default=None, help="run folder to continue from (exactly: data order, EMA, optimizers, ADA p)")
+    a("--loss", choices=LOSSES, default=None, help="r1: non-saturating + lazy R1 (default) | wgan-gp")
+    a("--optimizer", choices=OPTIMIZERS, default=None,
+      help="stylegan2: Adam(0, 0.99) | wgan-gp: G RAdam, D Adam(0.5, 0.9), lr 1e-4 (default follows --loss)")
+    a("--batch", type=int, default=None, help="global batch over all GPUs")
+    a("--lr-g", type=float, default=None)
+    a("--lr-d", type=float, default=None)
+    a("--d-steps", type=int, default=None, help="D updates per G update, e.g. 3 for 3:1")
+    a("--r1-gamma", type=float, default=None, help="R1 weight (default: 0.0002 * res^2 / batch)")
+    a("--gp-lambda", type=float, default=None)
+    a("--pl-weight", type=float, default=None, help="path length regularization weight (0 = off)")
+    a("--style-mixing", type=float, default=None)
+    a("--ema-kimg", type=float, default=None)
+    a("--aug", choices=AUG_MODES, default=None, help="ada (default) | fixed | none")
+    a("--aug-pipe", choices=AUG_PIPES, default=None)
+    a("--aug-p", type=float, default=None, help="initial (ada) or fixed augmentation probability")
+    a("--ada-target", type=float, default=None)
+    a("--mirror", action="store_true", default=None, help="add x-flipped copies of the data")
+    a("--seed", type=int, default=None)
+    a("--monitor-kimg", type=float, default=None, help="mode-collapse monitor every N kimg (0 = off)")
+    a("--auto-countermeasures", action="store_true", default=None,
+      help="on monitor warnings apply dropout / mbstd / higher D:G / more augmentation automatically")
+    a("--d-dropout", type=float, default=None, help="dropout before D's last layer from the start")
+    a("--precision", choices=PRECISIONS, default=None, help="bf16 (default) | fp16 (GradScaler) | fp32")
+    a("--no-tf32", dest="tf32", action="store_false", default=None)
+    a("--no-channels-last", dest="channels_last", action="store_false", default=None)
+    a("--compile", action="store_true", default=None, help="torch.compile the forward passes (slow first start)")
+    a("--grad-checkpointing", action="store_true", default=None, help="trade compute for activation memory")
+    a("--data-device", choices=("auto", "gpu", "host"), default=None)
+    a("--no-dali", dest="dali", action="store_false", default=None)
+    a("--device", default=None, help="cuda, cuda:N or cpu (default: best available; per rank under torchrun)")
+    a("--log-every", type=int, default=None, help="iterations between log lines")
+    a("--snapshot-kimg", type=float, default=None)
+    a("--snapshot-minutes", type=float, default=None)
+    a("--no-progress", dest="progress", action="store_false", default=None)
+    a("--bench", type=float, default=None, metavar="SECONDS",
+      help="measure img/s of the plain fp32 eager configuration and of the fast one (SECONDS each) and exit")
+    a("--bench-compile", action="store_true", help="also benchmark torch.compile in --bench")
+    a("--export", default=None, metavar="RUN", help="export RUN's G_ema as fp16 safetensors (+ model card) and exit")
+    a("--to", default=None, help="export destination stem (default assets/models/<preset>)")
+    return ap
+
+
+_PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimizer", "batch", "lr_g", "lr_d",
+                 "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
+                 "aug_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
+                 "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device", "dali",
+                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress")
+
+
+def config_from_args(args: argparse.Namespace):
+    overrides = {k: getattr(args, k) for k in _PASS_THROUGH}
+    overrides["out"] = args.out or f"runs/{args.preset}"
+    return build_config(args.preset, args.resolution, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.time()
+    args = build_parser().parse_args(argv)
+    try:
+        if args.export:
+            from training.export import export_run
+
+            paths = export_run(args.export, args.to)
+            print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
+            return 0
+        cfg = config_from_args(args)
+        if args.bench:
+            from training.bench import run_bench
+
+            report = run_bench(cfg, seconds=args.bench, with_compile=args.bench_compile)
+            print(json.dumps(report, indent=1))
+            return 0
+        from training.trainer import train
+
+        summary = train(cfg, resume=args.resume, t_start=t_start)
+        print(json.dumps(summary))
+        return 0
+    except AtelierError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Training configuration: one dataclass, named presets, and the derived hyperparameters.
+
+A run is fully described by a `TrainConfig`; it is saved in every checkpoint's
+state.json, so `--resume` rebuilds the same networks, optimizers and schedule.
+Presets fill in network sizes and the StyleGAN2-ADA 'auto' heuristics
+(batch, learning rate, R1 gamma, EMA half-life) from the resolution; any field
+can still be overridden.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.errors import InputError
+
+PRESETS = ("stylegan2", "stylegan3-t", "stylegan3-r", "emoji64", "tiny")
+LOSSES = ("r1", "wgan-gp")
+OPTIMIZERS = ("stylegan2", "wgan-gp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+AUG_MODES = ("ada", "fixed", "none")
+AUG_PIPES = ("blit", "geom", "color", "bg", "bgc", "bgcc")
+
+
+@dataclass
+class TrainConfig:
+    # -- what and where ---------------------------------------------------------------------
+    data: str = ""                          # folder / .zip / .npy / .npz / .npy.xz of images
+    out: str = "runs/train"                 # run folder: checkpoint, log.jsonl, samples.png
+    preset: str = "stylegan2"
+    resolution: int = 0                     # 0 = the dataset's own
+    mirror: bool = False                    # add x-flipped copies of the data (NVlabs --mirror)
+    seed: int = 0
+
+    # -- networks (NVlabs keyword arguments) --------------------------------------------------
+    arch: str = "stylegan2"                 # generator family: stylegan2 | stylegan3
+    g_kwargs: dict = field(default_factory=dict)
+    d_kwargs: dict = field(default_factory=dict)
+
+    # -- length -------------------------------------------------------------------------------
+    kimg: float = 25000.0                   # stop after this many thousand real images shown to D
+    minutes: float | None = None            # or when this wall-clock budget (whole process) is used up
+    reserve_seconds: float = 45.0           # of `minutes`, kept for the final checkpoint and grid
+
+    # -- batch and optimizers -------------------------------------------------------------------
+    batch: int = 0                          # global batch over all GPUs; 0 = preset heuristic
+    optimizer: str = "stylegan2"            # stylegan2: Adam (0, 0.99) | wgan-gp: G RAdam, D Adam (0.5, 0.9)
+    lr_g: float = 0.0                       # 0 = preset / optimizer default
+    lr_d: float = 0.0
+    d_steps: int = 1                        # D updates per G update (D:G ratio)
+    scale_lr_with_batch: bool = False       # lr *= batch / preset batch when the batch is overridden
+
+    # -- losses and regularization --------------------------------------------------------------
+    loss: str = "r1"                        # r1: non-saturating logistic + lazy R1 | wgan-gp
+    r1_gamma: float = -1.0                  # < 0 = auto: 0.0002 * res^2 / batch (StyleGAN2-ADA)
+    r1_interval: int = 16                   # lazy R1 every N D steps (0 = off)
+    gp_lambda: float = 10.0                 # WGAN-GP gradient penalty weight
+    gp_drift: float = 0.001                 # WGAN-GP drift term keeping D(real) near 0 (ProGAN)
+    pl_weight: float = 2.0                  # path length regularization (0 = off)
+    pl_interval: int = 4
+    pl_batch_shrink: int = 2
+    pl_decay: float = 0.01
+    style_mixing: float = 0.9
+    ema_kimg: float = -1.0                  # < 0 = auto: batch * 10 / 32
+    ema_rampup: float | None = 0.05
+
+    # -- augmentation (ADA) -----------------------------------------------------------------------
+    aug: str = "ada"                        # ada: adaptive p | fixed: p = aug_p | none
+    aug_pipe: str = "bgc"                   # b(lit) g(eom) c(olor) [+c(utout)]
+    aug_p: float = 0.0                      # initial / fixed probability
+    ada_target: float = 0.6                 # target for r_t = E[sign(D(real))]
+    ada_interval: int = 4                   # adjust p every N iterations
+    ada_kimg: float = 500.0                 # p can go 0 -> 1 in this many kimg
+
+    # -- mode-collapse monitor --------------------------------------------------------------------
+    monitor_kimg: float = 20.0              # evaluate every N kimg (0 = off)
+    monitor_samples: int = 64
+    auto_countermeasures: bool = False      # apply dropout / mbstd / D:G / augmentation on warnings
+    d_dropout: float = 0.0                  # dropout before D's last layer (0.3 when a counter-measure)
+
+    # -- speed --------------------------------------------------------------------------------------
+    precision: str = "bf16"                 # bf16 autocast | fp16 autocast + GradScaler | fp32
+    tf32: bool = True                       # TF32 matmuls/convs when precision is fp32
+    channels_last: bool = True
+    compile: bool = False                   # torch.compile the main forward passes (first compile: minutes)
+    grad_checkpointing: bool = False        # recompute activations in backward (memory for speed)
+    data_device: str = "auto"               # auto | gpu | host: where the uint8 dataset lives
+    dali: bool = True                       # decode image folders with NVIDIA DALI when installed
+    device: str | None = None               # None = cuda when available (per-rank under torchrun)
+
+    # -- outputs -------------------------------------------------------------------------------------
+    log_every: int = 100                    # iterations between log lines (the only host syncs)
+    snapshot_kimg: float = 200.0            # checkpoint + grid every N kimg (0 = only at the end)
+    snapshot_minutes: float = 0.0           # also every N minutes of wall clock (0 = off)
+    progress: bool = True                   # tqdm progress bar on rank 0
+
+    # ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InputError(f"unknown training setting(s): {', '.join(unknown)}")
+        return cls(**copy.deepcopy(d))
+
+    # Derived values. Kept as methods so the saved config stays what the user asked for.
+    def r1_gamma_value(self) -> float:
+        return self.r1_gamma if self.r1_gamma >= 0 else 0.0002 * self.resolution**2 / self.batch
+
+    def ema_kimg_value(self) -> float:
+        return self.ema_kimg if self.ema_kimg >= 0 else self.batch * 10 / 32
+
+
+def _network_kwargs(preset: str, res: int, batch: int) -> tuple[str, dict, dict]:
+    """(arch, G kwargs, D kwargs) for a preset at resolution `res`."""
+    if preset == "emoji64":
+        # Sized for the bundled model: the resumable checkpoint (G, G_ema, D and both Adam
+        # states in fp32) stays under 45 MiB and every file under 15 MiB; see docs/training.md.
+        g = dict(z_dim=256, w_dim=256, mapping_kwargs=dict(num_layers=2), channel_base=128 * 64,
+                 channel_max=128, num_fp16_res=0, conv_clamp=256, fused_modconv_default="inference_only")
+        d = dict(channel_base=112 * 64, channel_max=112, num_fp16_res=0, conv_clamp=256,
+                 epilogue_kwargs=dict(mbstd_group_size=4, mbstd_num_channels=1))
+        return "stylegan2", g, d
+    if preset == "tiny":
+        g = dict(z_dim=32, w_dim=32, mapping_kwargs=dict(num_layers=2), channel_base=16 * res,
+                 channel_max=16, num_fp16_res=0, conv_clamp=256, fused_modconv_default="inference_only")
+        d = dict(channel_base=16 * res, channel_max=16, num_fp16_res=0, conv_clamp=256,
+                 epilogue_kwargs=dict(mbstd_group_size=2, mbstd_num_channels=1))
+        return "stylegan2", g, d
+    cbase = 32768 if res >= 512 else 16384
+    d = dict(channel_base=cbase, channel_max=512, num_fp16_res=0, conv_clamp=256,
+             epilogue_kwargs=dict(mbstd_group_size=4, mbstd_num_channels=1))
+    if preset == "stylegan2":
+        g = dict(z_dim=512, w_dim=512, mapping_kwargs=dict(num_layers=2), channel_base=cbase, channel_max=512,
+                 num_fp16_res=0, conv_clamp=256, fused_modconv_default="inference_only")
+        return "stylegan2", g, d
+    if preset in ("stylegan3-t", "stylegan3-r"):
+        g = dict(z_dim=512, w_dim=512, mapping_kwargs=dict(num_layers=2), channel_base=cbase * 2,
+                 channel_max=1024 if preset == "stylegan3-r" else 512, num_fp16_res=0, conv_clamp=256,
+                 magnitude_ema_beta=0.5 ** (batch / (20 * 1e3)))  # NVlabs: half-life 20 kimg
+        if preset == "stylegan3-r":
+            g.update(conv_kernel=1, use_radial_filters=True)
+        return "stylegan3", g, d
+    raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+
+
+def build_config(preset: str = "stylegan2", resolution: int = 0, **overrides: Any) -> TrainConfig:
+    """A complete config: the preset at `resolution`, then `overrides` (None values are ignored)."""
+    if preset not in PRESETS:
+        raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if preset == "emoji64":
+        resolution = resolution or 64
+    if resolution and (resolution < 8 or resolution & (resolution - 1)):
+        raise InputError(f"resolution must be a power of two >= 8; got {resolution}")
+    cfg = TrainConfig(preset=preset, resolution=resolution)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise InputError(f"unknown training setting(s): {', '.join(unknown)}")
+
+    # Preset defaults first, so explicit overrides win.
+    if preset == "emoji64":
+        cfg.data = "assets/datasets/emoji64.npy.xz"
+        cfg.batch = 128
+        cfg.lr_g = cfg.lr_d = 0.0025
+        cfg.r1_gamma = 0.05     # sharp glyph edges on flat white: more R1 than the auto 0.0064 keeps D smooth
+        cfg.ema_kimg = 20.0
+        cfg.snapshot_kimg = 1000.0
+        cfg.monitor_kimg = 100.0
+        cfg.mirror = False      # letters, digits and arrows are not mirror-symmetric
+    elif preset == "tiny":
+        cfg.batch = 8
+        cfg.lr_g = cfg.lr_d = 0.002
+        cfg.kimg = 1.0
+        cfg.log_every = 2
+        cfg.snapshot_kimg = 0.0
+        cfg.monitor_kimg = 0.0
+        cfg.monitor_samples = 16
+        cfg.precision = "fp32"
+        cfg.channels_last = False
+        cfg.progress = False
+        cfg.reserve_seconds = 0.0
+
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    if cfg.loss == "wgan-gp" and "optimizer" not in overrides:
+        cfg.optimizer = "wgan-gp"
+    if cfg.optimizer == "wgan-gp" and "d_steps" not in overrides:
+        cfg.d_steps = 5         # the WGAN-GP paper's n_critic
+    return cfg
+
+
+def finalize(cfg: TrainConfig, resolution: int, world_size: int = 1) -> TrainConfig:
+    """Fill what depends on the data and the launch (resolution, batch, lr, networks); validate."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.resolution and cfg.resolution != resolution:
+        raise InputError(f"the data is {resolution}x{resolution} but the config says {cfg.resolution}")
+    cfg.resolution = resolution
+    if cfg.preset == "emoji64" and resolution != 64:
+        raise InputError("the emoji64 preset is for 64x64 data; use --preset stylegan2 for other sizes")
+    preset_batch = max(min(4096 // resolution, 32), 8) if cfg.preset in ("stylegan2", "stylegan3-t",
+                                                                          "stylegan3-r") else 0
+    if cfg.batch <= 0:
+        cfg.batch = max(preset_batch * world_size, world_size)
+    if cfg.batch % world_size:
+        raise InputError(f"the global batch {cfg.batch} must be divisible by the number of GPUs ({world_size})")
+    default_lr = {"stylegan2": 0.002 if resolution >= 1024 else 0.0025, "wgan-gp": 1e-4}[cfg.optimizer] \
+        if cfg.optimizer in OPTIMIZERS else 0.0
+    scale = cfg.batch / preset_batch if (cfg.scale_lr_with_batch and preset_batch) else 1.0
+    if cfg.lr_g <= 0:
+        cfg.lr_g = default_lr * scale
+    if cfg.lr_d <= 0:
+        cfg.lr_d = default_lr * scale
+    if not cfg.g_kwargs or not cfg.d_kwargs:
+        arch, g, d = _network_kwargs(cfg.preset, resolution, cfg.batch)
+        cfg.arch = arch
+        cfg.g_kwargs = cfg.g_kwargs or g
+        cfg.d_kwargs = cfg.d_kwargs or d
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: TrainConfig, world_size: int = 1) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise InputError(msg)
+
+    need(cfg.loss in LOSSES, f"--loss must be one of {', '.join(LOSSES)}; got {cfg.loss!r}")
+    need(cfg.optimizer in OPTIMIZERS, f"optimizer preset must be one of {', '.join(OPTIMIZERS)}; got {cfg.optimizer!r}")
+    need(cfg.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}; got {cfg.precision!r}")
+    need(cfg.aug in AUG_MODES, f"--aug must be one of {', '.join(AUG_MODES)}; got {cfg.aug!r}")
+    need(cfg.aug_pipe in AUG_PIPES, f"--aug-pipe must be one of {', '.join(AUG_PIPES)}; got {cfg.aug_pipe!r}")
+    need(cfg.data_device in ("auto", "gpu", "host"), f"data_device must be auto, gpu or host; got {cfg.data_device!r}")
+    need(cfg.arch in ("stylegan2", "stylegan3"), f"arch must be stylegan2 or stylegan3; got {cfg.arch!r}")
+    need(cfg.kimg > 0, f"--kimg must be positive; got {cfg.kimg}")
+    need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")
+    need(1 <= cfg.d_steps <= 10, f"the D:G ratio (--d-steps) must be 1..10; got {cfg.d_steps}")
+    need(0.0 <= cfg.aug_p <= 1.0, f"--aug-p must be in [0, 1]; got {cfg.aug_p}")
+    need(0.0 < cfg.ada_target < 1.0, f"--ada-target must be in (0, 1); got {cfg.ada_target}")
+    need(0.0 <= cfg.d_dropout < 1.0, f"D dropout must be in [0, 1); got {cfg.d_dropout}")
+    need(0.0 <= cfg.style_mixing <= 1.0, f"style mixing probability must be in [0, 1]; got {cfg.style_mixing}")
+    need(cfg.lr_g > 0 and cfg.lr_d > 0, "learning rates must be positive")
+    need(cfg.log_every >= 1, "--log-every must be at least 1")
+    batch_gpu = cfg.batch // world_size
+    need(batch_gpu >= 2, f"each GPU needs a batch of at least 2 (global batch {cfg.batch} over {world_size} GPUs)")
+    if cfg.pl_weight > 0:
+        need(batch_gpu // cfg.pl_batch_shrink >= 1,
+             f"the per-GPU batch {batch_gpu} is smaller than --pl-batch-shrink {cfg.pl_batch_shrink}")
+    mb = (cfg.d_kwargs.get("epilogue_kwargs") or {}).get("mbstd_group_size", 4)
+    if mb and (cfg.d_kwargs.get("epilogue_kwargs") or {}).get("mbstd_num_channels", 1) > 0:
+        g = min(mb, batch_gpu)
+        need(batch_gpu % g == 0, f"the per-GPU batch {batch_gpu} must be a multiple of the minibatch-stddev "
+                                 f"group size {g}; pick a batch divisible by {g * world_size}")

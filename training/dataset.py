@@ -1,0 +1,436 @@
+"""Training data: decode once into a uint8 array, then serve batches from the GPU.
+
+Sources: a folder of images (png/jpg/jpeg/webp/bmp, searched recursively), a .zip of
+images (the NVlabs dataset_tool layout works), or an array file (.npy, .npz with an
+`images` array, .npy.xz) of shape (N, H, W, 3) or (N, 3, H, W) uint8.
+
+Why uint8 on the GPU: a 64x64 set of 4k images is 48 MB, a 256x256 set of 70k is
+14 GB; either fits an H200 next to the networks, and gathering a batch there costs
+one index_select with no host round trip. Sets that do not fit stay in pinned host
+memory and are copied one batch ahead on a side stream.
+
+The sampler is deterministic and resumable: epoch e visits a permutation drawn from
+(seed, e); the state is (epoch, position), saved in every checkpoint. Each rank takes
+its slice of the same global batch, so the global data order does not depend on the
+number of GPUs. The tail of each epoch that does not fill a global batch is skipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import lzma
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.errors import InputError, OptionalDependencyError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+ARRAY_SUFFIXES = (".npy", ".npz", ".xz")
+
+
+@dataclass
+class DatasetInfo:
+    source: str
+    count: int
+    resolution: int
+    channels: int
+    decoder: str                 # pillow | dali | array | cache
+    cache_file: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _to_square_rgb(img, resolution: int):
+    """Centre-crop to a square, composite transparency on white, resize with LANCZOS."""
+    from PIL import Image
+
+    if img.mode in ("RGBA", "LA", "P"):
+        img = img.convert("RGBA")
+        bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(bg, img)
+    img = img.convert("RGB")
+    w, h = img.size
+    s = min(w, h)
+    if w != h:
+        img = img.crop(((w - s) // 2, (h - s) // 2, (w - s) // 2 + s, (h - s) // 2 + s))
+    if s != resolution:
+        img = img.resize((resolution, resolution), Image.LANCZOS)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _list_folder(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def _first_size(open_first) -> int:
+    img = open_first()
+    w, h = img.size
+    return min(w, h)
+
+
+def _decode_pillow(names: list[str], opener, resolution: int) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    out = np.empty((len(names), resolution, resolution, 3), dtype=np.uint8)
+    for i, name in enumerate(names):
+        try:
+            with opener(name) as f:
+                img = Image.open(f)
+                img.load()
+        except (UnidentifiedImageError, OSError) as exc:
+            raise InputError(f"could not read image {name}: {exc}; remove it or convert it to PNG/JPEG") from None
+        out[i] = _to_square_rgb(img, resolution)
+    return out
+
+
+def _decode_dali(files: list[Path], resolution: int, device_id: int) -> np.ndarray:
+    """Decode a folder of JPEG/PNG files on the GPU with NVIDIA DALI (resize shorter side, centre crop)."""
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ImportError:
+        raise OptionalDependencyError("NVIDIA DALI is not installed") from None
+    batch = 256
+
+    @pipeline_def(batch_size=batch, num_threads=4, device_id=device_id, prefetch_queue_depth=2)
+    def pipe():
+        data, _ = fn.readers.file(files=[str(f) for f in files], random_shuffle=False, pad_last_batch=True,
+                                  name="reader")
+        img = fn.decoders.image(data, device="mixed", output_type=types.RGB)
+        img = fn.resize(img, resize_shorter=resolution, interp_type=types.INTERP_LANCZOS3)
+        img = fn.crop(img, crop=(resolution, resolution), out_of_bounds_policy="pad")
+        return img
+
+    p = pipe()
+    p.build()
+    out = np.empty((len(files), resolution, resolution, 3), dtype=np.uint8)
+    done = 0
+    while done < len(files):
+        (imgs,) = p.run()
+        arr = np.stack([np.asarray(t) for t in imgs.as_cpu()])
+        take = min(len(arr), len(files) - done)
+        out[done:done + take] = arr[:take]
+        done += take
+    return out
+
+
+def _read_array(path: Path) -> np.ndarray:
+    try:
+        if path.name.endswith(".npy.xz"):
+            with lzma.open(path) as f:
+                arr = np.load(io.BytesIO(f.read()), allow_pickle=False)
+        elif path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                if "images" not in z:
+                    raise InputError(f"{path.name} has no 'images' array (found: {', '.join(z.files)})")
+                arr = z["images"]
+        else:
+            arr = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError, lzma.LZMAError, EOFError) as exc:
+        raise InputError(f"could not read {path}: {exc}") from None
+    if arr.dtype != np.uint8 or arr.ndim != 4:
+        raise InputError(f"{path.name} must hold uint8 images of shape (N, H, W, 3) or (N, 3, H, W); "
+                         f"got {arr.dtype} {list(arr.shape)}")
+    if arr.shape[1] in (1, 3) and arr.shape[3] not in (1, 3):
+        arr = arr.transpose(0, 2, 3, 1)        # NCHW -> NHWC
+    if arr.shape[3] == 1:
+        arr = np.repeat(arr, 3, axis=3)
+    if arr.shape[3] != 3:
+        raise InputError(f"{path.name}: images must have 1 or 3 channels; got shape {list(arr.shape)}")
+    return arr
+
+
+def _cache_key(path: Path, names: list[str], resolution: int, stat_of) -> str:
+    h = hashlib.sha256(f"{path.resolve()}|{resolution}|v1".encode())
+    for n in names:
+        st = stat_of(n)
+        h.update(f"{n}|{st[0]}|{st[1]}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_images(path: str | Path, resolution: int = 0, cache_dir: str | Path | None = None,
+                use_dali: bool = False, device_id: int = 0) -> tuple[np.ndarray, DatasetInfo]:
+    """All images of `path` as one (N, R, R, 3) uint8 array, decoded once and cached as .npy."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"training data not found: {path}; give a folder, a .zip or an .npy/.npz/.npy.xz file")
+    if resolution and (resolution < 8 or resolution & (resolution - 1)):
+        raise InputError(f"--resolution must be a power of two >= 8; got {resolution}")
+
+    if path.is_file() and (path.suffix in (".npy", ".npz") or path.name.endswith(".npy.xz")):
+        arr = _read_array(path)
+        h, w = arr.shape[1:3]
+        if h != w:
+            raise InputError(f"{path.name}: images must be square; got {h}x{w}")
+        if resolution and h != resolution:
+            from PIL import Image
+
+            arr = np.stack([np.asarray(Image.fromarray(a).resize((resolution, resolution), Image.LANCZOS))
+                            for a in arr])
+        res = arr.shape[1]
+        if res < 8 or res & (res - 1):
+            raise InputError(f"{path.name}: image size {res} is not a power of two >= 8; pass --resolution")
+        return np.ascontiguousarray(arr), DatasetInfo(str(path), len(arr), res, 3, "array")
+
+    if path.is_dir():
+        files = _list_folder(path)
+        names = [str(f.relative_to(path)) for f in files]
+
+        def opener(n):
+            return open(path / n, "rb")
+
+        def stat_of(n):
+            st = (path / n).stat()
+            return st.st_size, st.st_mtime_ns
+    elif path.suffix.lower() == ".zip":
+        try:
+            zf = zipfile.ZipFile(path)
+        except zipfile.BadZipFile as exc:
+            raise InputError(f"{path.name} is not a readable zip file: {exc}") from None
+        infos = {i.filename: i for i in zf.infolist()}
+        names = sorted(n for n in infos if Path(n).suffix.lower() in IMAGE_SUFFIXES)
+        files = []
+
+        def opener(n):
+            return zf.open(n)
+
+        def stat_of(n):
+            return infos[n].file_size, infos[n].CRC
+    else:
+        raise InputError(f"unsupported training data {path.name}: give a folder of images, a .zip, "
+                         "or an .npy/.npz/.npy.xz array")
+    if not names:
+        raise InputError(f"no images ({', '.join(IMAGE_SUFFIXES)}) found in {path}")
+
+    if not resolution:
+        from PIL import Image
+
+        with opener(names[0]) as f:
+            s = min(Image.open(f).size)
+        resolution = 2 ** int(np.floor(np.log2(s)))
+        if resolution < 8:
+            raise InputError(f"the first image is only {s}px; images must be at least 8x8")
+
+    cache = None
+    if cache_dir is not None:
+        cache = Path(cache_dir) / f"{path.name}-{resolution}-{_cache_key(path, names, resolution, stat_of)}.npy"
+        if cache.is_file():
+            arr = np.load(cache, mmap_mode="r")
+            return arr, DatasetInfo(str(path), len(arr), resolution, 3, "cache", str(cache))
+
+    decoder = "pillow"
+    arr = None
+    if use_dali and files and torch.cuda.is_available():
+        try:
+            arr = _decode_dali(files, resolution, device_id)
+            decoder = "dali"
+        except OptionalDependencyError:
+            arr = None
+        except Exception as exc:  # DALI is optional: any failure there falls back to Pillow
+            print(f"[data] DALI decoding failed ({type(exc).__name__}: {exc}); decoding with Pillow instead")
+            arr = None
+    if arr is None:
+        arr = _decode_pillow(names, opener, resolution)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}.npy")
+        np.save(tmp, arr)
+        os.replace(tmp, cache)
+    return arr, DatasetInfo(str(path), len(arr), resolution, 3, decoder, str(cache) if cache else None)
+
+
+def read_dataset_meta(path: str | Path) -> dict:
+    """The JSON sidecar of a bundled array dataset (license, count), or {}."""
+    p = Path(path)
+    side = p.with_name(p.name.split(".")[0] + ".json")
+    if side.is_file():
+        try:
+            return json.loads(side.read_text())
+        except json.JSONDecodeError:
+            return {}
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving batches
+
+
+def _mix(*xs: int) -> int:
+    """A 63-bit seed from integers (splitmix-style), so nearby (seed, epoch) pairs are unrelated."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h ^= (int(x) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & 0xFFFFFFFFFFFFFFFF
+        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class ImageBatches:
+    """Deterministic, resumable batches of uint8 images [b, 3, R, R] for one rank.
+
+    where: 'gpu' keeps the whole set on the device; 'host' keeps it in pinned memory
+    and prefetches one batch ahead on a side stream; 'host-plain' is the naive loop
+    (float conversion on the CPU, blocking copy), kept only as the benchmark baseline.
+    """
+
+    def __init__(self, images: np.ndarray, global_batch: int, device: torch.device, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, mirror: bool = False, where: str = "auto"):
+        if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
+            raise InputError(f"expected (N, R, R, 3) uint8 images; got {images.dtype} {list(images.shape)}")
+        n = len(images) * (2 if mirror else 1)
+        if n < global_batch:
+            raise InputError(f"the dataset has {len(images)} images{' (x2 mirrored)' if mirror else ''}, fewer "
+                             f"than one batch of {global_batch}; lower --batch or add images")
+        if global_batch % world_size:
+            raise InputError(f"global batch {global_batch} is not divisible by {world_size} ranks")
+        self.device = torch.device(device)
+        self.num_images = len(images)
+        self.length = n
+        self.global_batch = global_batch
+        self.batch = global_batch // world_size
+        self.rank = rank
+        self.seed = seed
+        self.mirror = mirror
+        self.epoch = 0
+        self.pos = 0
+        self._perm: torch.Tensor | None = None
+        self._perm_epoch = -1
+        self._handed = self._cursor()
+        self._prefetched = None
+
+        if where == "auto":
+            where = "host"
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                where = "gpu" if images.nbytes < 0.25 * free else "host"
+            elif self.device.type == "cpu":
+                where = "gpu"  # "on the device" is host memory anyway; no copies needed
+        self.where = where
+        if not images.flags.writeable:      # a memory-mapped cache: torch wants writable memory
+            images = np.array(images)
+        chw = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)   # a view, NCHW order
+        if where == "gpu":
+            self.data = chw.to(self.device).contiguous()
+        elif where in ("host", "host-plain"):
+            self.data = chw.contiguous()
+            if self.device.type == "cuda" and where == "host":
+                self.data = self.data.pin_memory()
+                self._stream = torch.cuda.Stream(self.device)
+                self._staging = [torch.empty((self.batch, *self.data.shape[1:]), dtype=torch.uint8).pin_memory()
+                                 for _ in range(2)]
+                self._events = [None, None]
+                self._slot = 0
+        else:
+            raise InputError(f"data placement must be auto, gpu, host or host-plain; got {where!r}")
+
+    # -- sampler -----------------------------------------------------------------------------------
+    def _epoch_perm(self, epoch: int) -> torch.Tensor:
+        if self._perm_epoch != epoch:
+            dev = self.device if self.where == "gpu" else torch.device("cpu")
+            g = torch.Generator(device=dev)
+            g.manual_seed(_mix(self.seed, epoch, 0xDA7A))
+            self._perm = torch.randperm(self.length, generator=g, device=dev)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def _next_indices(self) -> torch.Tensor:
+        if self.pos + self.global_batch > self.length:
+            self.epoch += 1
+            self.pos = 0
+        perm = self._epoch_perm(self.epoch)
+        start = self.pos + self.rank * self.batch
+        idx = perm[start:start + self.batch]
+        self.pos += self.global_batch
+        return idx
+
+    def _cursor(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "length": self.length, "global_batch": self.global_batch}
+
+    def state_dict(self) -> dict:
+        """The sampler state after the last batch handed out (a prefetched batch does not count)."""
+        return dict(self._handed)
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["length"]) != self.length:
+            raise InputError(f"the checkpoint was trained on {state['length']} images (with mirroring) but this "
+                             f"dataset has {self.length}; resume with the same --data and --mirror")
+        if int(state["global_batch"]) != self.global_batch:
+            raise InputError(f"the checkpoint used a global batch of {state['global_batch']}; resume with the "
+                             f"same --batch (it was {self.global_batch})")
+        self.epoch = int(state["epoch"])
+        self.pos = int(state["pos"])
+        self._handed = self._cursor()
+        self._prefetched = None
+
+    # -- batches -------------------------------------------------------------------------------------
+    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
+        if not self.mirror:
+            return self.data.index_select(0, idx)
+        flip = idx >= self.num_images
+        imgs = self.data.index_select(0, idx % self.num_images)
+        return torch.where(flip[:, None, None, None], imgs.flip(3), imgs)
+
+    def _host_batch(self) -> tuple[torch.Tensor, object, dict]:
+        idx = self._next_indices()
+        cursor = self._cursor()
+        if self.device.type != "cuda":
+            return self._gather(idx), None, cursor
+        slot = self._slot
+        self._slot ^= 1
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()    # the copy out of this buffer, two batches ago
+        torch.index_select(self.data, 0, idx % self.num_images, out=self._staging[slot])
+        buf = self._staging[slot]
+        if self.mirror:
+            flip = idx >= self.num_images
+            buf[flip] = buf[flip].flip(3)
+        with torch.cuda.stream(self._stream):
+            out = buf.to(self.device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._events[slot] = ev
+        return out, ev, cursor
+
+    def next(self) -> torch.Tensor:
+        """The next uint8 batch [b, 3, R, R] of this rank, on the device."""
+        if self.where in ("gpu", "host-plain"):
+            x = self._gather(self._next_indices())
+            self._handed = self._cursor()
+            return x if self.where == "gpu" else x.to(self.device)
+        if self._prefetched is None:
+            self._prefetched = self._host_batch()
+        out, ev, self._handed = self._prefetched
+        self._prefetched = self._host_batch()      # start copying the following batch now
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+            out.record_stream(torch.cuda.current_stream(self.device))
+        return out
+
+
+def to_float(batch_uint8: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+    """uint8 [0, 255] -> float32 [-1, 1] (the generator's output range)."""
+    x = batch_uint8.to(torch.float32).div_(127.5).sub_(1.0)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def to_uint8_hwc(images: torch.Tensor) -> np.ndarray:
+    """float [-1, 1] [N, C, H, W] -> uint8 [N, H, W, C] numpy (for grids and previews)."""
+    x = (images.detach().float().clamp(-1, 1) + 1) * 127.5
+    return x.round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def image_grid(images_hwc: np.ndarray, cols: int = 8) -> np.ndarray:
+    n, h, w, c = images_hwc.shape
+    rows = (n + cols - 1) // cols
+    grid = np.full((rows * h, cols * w, c), 255, dtype=np.uint8)
+    for i in range(n):
+        r, q = divmod(i, cols)
+        grid[r * h:(r + 1) * h, q * w:(q + 1) * w] = images_hwc[i]
+    return grid

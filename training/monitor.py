@@ -1,0 +1,170 @@
+"""Mode-collapse monitor: sample diversity and discriminator accuracy, with optional counter-measures.
+
+Every `monitor_kimg` the trainer renders a fixed batch of latents (the same z each
+time) with G_ema and measures, in a fixed feature space:
+
+- diversity: mean pairwise L2 distance of the samples, divided by the same figure
+  for a fixed batch of real images (1.0 = as varied as the data);
+- duplicate rate: the fraction of samples whose nearest other sample is closer than
+  `dup_threshold` x the real batch's mean pairwise distance (near-identical pairs);
+- D accuracy: the fraction of real images with D(x) > 0 and of generated ones with
+  D(G(z)) < 0 over the training steps since the last evaluation (free: the trainer
+  already has those logits).
+
+Feature space: images average-pooled to 16x16, flattened, and multiplied by a fixed
+Gaussian random projection to 128 dimensions (seeded, never trained). Chosen over the
+discriminator's own features because D changes during training: a diversity curve in
+D's space moves when D moves, even if the samples do not. Random projections keep
+pairwise distances within a small factor (Johnson-Lindenstrauss), the pooling makes
+them about shapes and colours rather than pixel noise, and the cost is a few
+microseconds per image with no extra network to ship.
+
+Warnings (logged, and shown in the UI from log.jsonl):
+- "diversity": diversity fell below `drop_fraction` of its best over the last
+  `window` evaluations and below `min_ratio` of the data's, or the duplicate rate
+  exceeds `max_dup_rate`;
+- "d_accuracy": D accuracy stayed above `d_acc_threshold` (95%) for `patience`
+  evaluations in a row.
+
+Counter-measures (only with auto_countermeasures), one per warning, in this order,
+each at most once (and not again for `patience` evaluations): more augmentation
+(ADA target +0.1 up to 0.8, or fixed p +0.2), dropout 0.3 before D's last layer,
+a larger minibatch-stddev group (group size x2 where the batch allows), one more D
+step per G step (up to 5). Each is recorded with its kimg; they are part of the
+checkpoint, so a resumed run keeps them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from core.errors import InputError
+
+COUNTERMEASURES = ("augment", "dropout", "mbstd", "d_steps")
+
+
+class FeatureSpace:
+    """Fixed random projection of 16x16-pooled images: [N, C, H, W] in [-1, 1] -> [N, dim]."""
+
+    def __init__(self, channels: int = 3, pool: int = 16, dim: int = 128, seed: int = 12345, device=None):
+        g = torch.Generator().manual_seed(seed)
+        self.pool = pool
+        self.proj = (torch.randn(channels * pool * pool, dim, generator=g) / math.sqrt(dim)).to(device)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float()
+        if x.shape[2] != self.pool:
+            x = F.adaptive_avg_pool2d(x, self.pool)
+        return x.flatten(1) @ self.proj.to(x.device)
+
+
+def pairwise_stats(feats: torch.Tensor, ref_distance: float, dup_threshold: float) -> tuple[float, float]:
+    """(mean pairwise distance, duplicate rate) of features [N, dim]."""
+    n = feats.shape[0]
+    if n < 2:
+        raise InputError("the diversity monitor needs at least 2 samples")
+    d = torch.cdist(feats.double(), feats.double())
+    off = ~torch.eye(n, dtype=torch.bool, device=d.device)
+    mean = d[off].mean().item()
+    nearest = d.masked_fill(~off, float("inf")).min(dim=1).values
+    dup = (nearest < dup_threshold * ref_distance).float().mean().item() if ref_distance > 0 else 0.0
+    return mean, dup
+
+
+@dataclass
+class MonitorSettings:
+    dup_threshold: float = 0.1       # x real mean pairwise distance: closer pairs are "near-identical"
+    drop_fraction: float = 0.6       # diversity below 60% of its recent best ...
+    min_ratio: float = 0.5           # ... and below half the data's diversity -> warning
+    max_dup_rate: float = 0.1        # more than 10% near-duplicates -> warning
+    d_acc_threshold: float = 0.95
+    patience: int = 3
+    window: int = 10
+
+
+@dataclass
+class MonitorState:
+    history: list = field(default_factory=list)         # one record per evaluation
+    real_distance: float = 0.0
+    real_dup_rate: float = 0.0
+    high_acc_streak: int = 0
+    applied: list = field(default_factory=list)         # [{"kimg", "measure", "detail"}]
+    cooldown: int = 0
+
+
+class CollapseMonitor:
+    def __init__(self, settings: MonitorSettings | None = None, device=None):
+        self.settings = settings or MonitorSettings()
+        self.features = FeatureSpace(device=device)
+        self.state = MonitorState()
+
+    def set_reference(self, real_images: torch.Tensor) -> None:
+        """real_images: a fixed batch in [-1, 1]; its diversity is the yardstick."""
+        feats = self.features(real_images)
+        mean, _ = pairwise_stats(feats, 0.0, self.settings.dup_threshold)
+        self.state.real_distance = mean
+        _, dup = pairwise_stats(feats, mean, self.settings.dup_threshold)
+        self.state.real_dup_rate = dup
+
+    def evaluate(self, samples: torch.Tensor, kimg: float, d_acc_real: float | None,
+                 d_acc_fake: float | None) -> dict:
+        """Measure `samples` (the fixed-z batch from G_ema); returns the record with its warnings."""
+        s = self.settings
+        st = self.state
+        if st.real_distance <= 0:
+            raise InputError("call set_reference(real_images) before evaluate()")
+        mean, dup = pairwise_stats(self.features(samples), st.real_distance, s.dup_threshold)
+        diversity = mean / st.real_distance
+        warnings = []
+        recent = [h["diversity"] for h in st.history[-s.window:]]
+        best = max(recent) if recent else diversity
+        if recent and diversity < s.drop_fraction * best and diversity < s.min_ratio:
+            warnings.append(f"diversity dropped sharply: {diversity:.2f} of the data's (recent best {best:.2f})")
+        if dup > max(s.max_dup_rate, 2 * st.real_dup_rate):
+            warnings.append(f"{dup:.0%} of the fixed samples have a near-identical twin (data: "
+                            f"{st.real_dup_rate:.0%})")
+        d_acc = None
+        if d_acc_real is not None and d_acc_fake is not None:
+            d_acc = 0.5 * (d_acc_real + d_acc_fake)
+            st.high_acc_streak = st.high_acc_streak + 1 if d_acc > s.d_acc_threshold else 0
+            if st.high_acc_streak >= s.patience:
+                warnings.append(f"discriminator accuracy {d_acc:.1%} has stayed above {s.d_acc_threshold:.0%} "
+                                f"for {st.high_acc_streak} evaluations (D is winning: overfitting or collapse)")
+        record = {"kimg": round(float(kimg), 3), "diversity": round(diversity, 5), "pairwise_distance": mean,
+                  "duplicate_rate": dup, "d_acc": d_acc, "d_acc_real": d_acc_real, "d_acc_fake": d_acc_fake,
+                  "warnings": warnings}
+        st.history.append(record)
+        return record
+
+    def choose_countermeasure(self, record: dict) -> str | None:
+        """The next counter-measure to apply for this record's warnings, or None."""
+        st = self.state
+        if st.cooldown > 0:
+            st.cooldown -= 1
+            return None
+        if not record["warnings"]:
+            return None
+        done = {a["measure"] for a in st.applied}
+        for m in COUNTERMEASURES:
+            if m not in done:
+                st.cooldown = self.settings.patience
+                return m
+        return None
+
+    def record_applied(self, kimg: float, measure: str, detail: str) -> None:
+        self.state.applied.append({"kimg": round(float(kimg), 3), "measure": measure, "detail": detail})
+
+    def state_dict(self) -> dict:
+        st = self.state
+        return {"history": st.history, "real_distance": st.real_distance, "real_dup_rate": st.real_dup_rate,
+                "high_acc_streak": st.high_acc_streak, "applied": st.applied, "cooldown": st.cooldown}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.state = MonitorState(history=list(d.get("history", [])), real_distance=float(d["real_distance"]),
+                                  real_dup_rate=float(d.get("real_dup_rate", 0.0)),
+                                  high_acc_streak=int(d.get("high_acc_streak", 0)),
+                                  applied=list(d.get("applied", [])), cooldown=int(d.get("cooldown", 0)))

@@ -1,0 +1,787 @@
+"""The StyleGAN training loop: phases, EMA, ADA, monitor, logging, checkpoints, time budget.
+
+One iteration, as in NVlabs' StyleGAN2-ADA:
+
+  1. D step, `d_steps` times (the D:G ratio): generated images (no grad) and the next
+     real batch go through the augmentation and D; logistic (or WGAN-GP) loss.
+     Every `r1_interval`-th D step adds a separate lazy R1 step (weight x interval,
+     Adam lr and betas adjusted by interval/(interval+1)).
+  2. G step: non-saturating loss through the augmentation and a frozen D; every
+     `pl_interval`-th G step adds a lazy path-length step.
+  3. G_ema <- lerp towards G (half-life `ema_kimg`, ramped up over the first kimg).
+  4. Every `ada_interval` iterations ADA nudges p on the device.
+
+Speed: the inner loop never waits for the GPU. Losses, accuracies and ADA statistics
+are summed into device tensors and read once per `log_every` iterations; time-budget
+and snapshot decisions are made at those points (and broadcast from rank 0, so all
+ranks stop at the same step). bf16 autocast (fp16 + GradScaler on request), channels_last,
+the uint8 dataset on the GPU, fused Adam on CUDA, optional torch.compile and activation
+checkpointing.
+
+Exact resume: every random number in an iteration comes from the global torch RNG,
+reseeded at the start of the iteration from (seed, rank, iteration). The sampler
+position, optimizer moments, EMA, ADA p and its running sums, the path-length mean,
+the D:G ratio and every counter-measure, the monitor history and the GradScaler
+scale are in the checkpoint. An interrupted run continued from its checkpoint therefore
+repeats the uninterrupted run bit for bit on the CPU (tested); on the GPU, cuDNN's
+non-deterministic kernels make the two close but not bit-identical.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from core.errors import InputError
+from training import checkpoint as ckpt
+from training import distributed as dist_utils
+from training import losses
+from training.augment import AdaController, AugmentPipe
+from training.config import TrainConfig, finalize
+from training.dataset import ImageBatches, _mix, image_grid, load_images, to_float, to_uint8_hwc
+from training.monitor import CollapseMonitor
+
+# Settings a resumed run may change: where/how long/how fast, never what is trained.
+RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
+                      "progress", "device", "data", "dali", "data_device", "compile", "precision", "tf32",
+                      "channels_last", "grad_checkpointing", "auto_countermeasures")
+
+LOG_FILE = "log.jsonl"
+GRID_FILE = "samples.png"
+GRID_SEED = 0xE0E0
+
+
+def build_networks(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(G, D) from the config's NVlabs keyword arguments."""
+    from models import stylegan2
+
+    g_kwargs = dict(cfg.g_kwargs)
+    z_dim = g_kwargs.pop("z_dim", 512)
+    w_dim = g_kwargs.pop("w_dim", 512)
+    if cfg.arch == "stylegan3":
+        from models import stylegan3
+
+        G = stylegan3.Generator(z_dim, 0, w_dim, cfg.resolution, 3, **g_kwargs)
+    else:
+        G = stylegan2.Generator(z_dim, 0, w_dim, cfg.resolution, 3, **g_kwargs)
+    d_kwargs = dict(cfg.d_kwargs)
+    D = stylegan2.Discriminator(0, cfg.resolution, 3, **d_kwargs)
+    return G, D
+
+
+def resolve_data_path(data: str) -> Path:
+    """A relative path is looked up from the working directory, then from the repository root."""
+    if not data:
+        raise InputError("no training data given; pass --data PATH (a folder, .zip or .npy/.npz/.npy.xz)")
+    p = Path(data)
+    if not p.exists() and not p.is_absolute():
+        from core.settings import ROOT
+
+        if (ROOT / p).exists():
+            return ROOT / p
+    return p
+
+
+def param_count(m: torch.nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def checkpoint_bytes(G: torch.nn.Module, D: torch.nn.Module) -> dict[str, int]:
+    """Sizes of the resumable checkpoint's files in fp32 (Adam keeps two moments per parameter)."""
+    def tensor_bytes(m):
+        return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    pg, pd = param_count(G), param_count(D)
+    return {"G": tensor_bytes(G), "G_ema": tensor_bytes(G), "D": tensor_bytes(D), "opt_G": 8 * pg, "opt_D": 8 * pd}
+
+
+class GeneratorStep(torch.nn.Module):
+    """G as one module for DDP: z -> (image, ws) with style mixing; the mapping stays fp32."""
+
+    def __init__(self, G: torch.nn.Module, style_mixing: float):
+        super().__init__()
+        self.G = G
+        self.style_mixing = float(style_mixing)
+
+    def forward(self, z: torch.Tensor, c: torch.Tensor, update_emas: bool = False):
+        G = self.G
+        with torch.autocast(z.device.type, enabled=False):
+            ws = G.mapping(z, c, update_emas=update_emas)
+            if self.style_mixing > 0:
+                n, num_ws = ws.shape[0], ws.shape[1]
+                # Per-sample crossover point; samples that do not mix get cutoff = num_ws.
+                cutoff = torch.randint(1, num_ws, (n, 1), device=z.device)
+                mix = torch.rand(n, 1, device=z.device) < self.style_mixing
+                cutoff = torch.where(mix, cutoff, torch.full_like(cutoff, num_ws))
+                ws2 = G.mapping(torch.randn_like(z), c, update_emas=False)
+                take2 = torch.arange(num_ws, device=z.device)[None, :] >= cutoff
+                ws = torch.where(take2[:, :, None], ws2, ws)
+        img = G.synthesis(ws, noise_mode="random", update_emas=update_emas)
+        return img, ws
+
+
+def _set_requires_grad(module: torch.nn.Module, flag: bool) -> None:
+    for p in module.parameters():
+        p.requires_grad_(flag)
+
+
+def _checkpoint_blocks(module: torch.nn.Module, names: list[str]) -> None:
+    """Recompute these submodules' activations in backward (torch.utils.checkpoint, non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for name in names:
+        block = getattr(module, name)
+        fwd = block.forward
+
+        def wrapped(*args, _fwd=fwd, **kwargs):
+            return checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
+        block.forward = wrapped
+
+
+class Trainer:
+    # Indices into the device-side log accumulator.
+    _STATS = ("g_loss", "g_n", "d_loss", "d_n", "r1", "r1_n", "pl", "pl_n", "gp", "gp_n",
+              "acc_real", "acc_fake", "acc_n")
+
+    def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
+                 t_start: float | None = None, write_outputs: bool = True, data: tuple | None = None):
+        self.t_start = time.time() if t_start is None else t_start
+        self.say = log
+        self.write_outputs = write_outputs
+        resume_doc = None
+        if resume is not None:
+            resume_doc = ckpt.read_state(resume)
+            cfg = self._merge_resume_config(resume_doc["config"], cfg)
+        self.dist = dist_utils.setup(cfg.device)
+        self.device = self.dist.device
+        self.is_main = self.dist.is_main
+
+        # -- data -------------------------------------------------------------------------------
+        if data is None:
+            images, info = load_images(resolve_data_path(cfg.data), cfg.resolution, cache_dir=Path(".cache") / "atelier" / "datasets",
+                                       use_dali=cfg.dali, device_id=self.device.index or 0)
+        else:
+            images, info = data
+        self.data_info = info
+        cfg = finalize(cfg, info.resolution, self.dist.world_size)
+        self.cfg = cfg
+        self.batch_gpu = cfg.batch // self.dist.world_size
+        self.loader = ImageBatches(images, cfg.batch, self.device, seed=cfg.seed, rank=self.dist.rank,
+                                   world_size=self.dist.world_size, mirror=cfg.mirror, where=cfg.data_device)
+        ref_idx = np.linspace(0, len(images) - 1, num=min(cfg.monitor_samples, len(images))).round().astype(int)
+        self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
+
+        # -- precision ----------------------------------------------------------------------------
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.tf32
+            torch.backends.cudnn.benchmark = True
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        if self.amp_dtype is torch.float16 and self.device.type != "cuda":
+            raise InputError("fp16 training needs a CUDA GPU; use --precision bf16 or fp32 on the CPU")
+        self.channels_last = cfg.channels_last and self.device.type == "cuda"
+
+        # -- networks -----------------------------------------------------------------------------
+        torch.manual_seed(_mix(cfg.seed, 0x6E7))     # same initial weights on every rank
+        G, D = build_networks(cfg)
+        self.G = G.to(self.device).train()
+        self.D = D.to(self.device).train()
+        self.G_ema = copy.deepcopy(G).eval().requires_grad_(False)
+        if self.channels_last:
+            for m in (self.G, self.D, self.G_ema):
+                m.to(memory_format=torch.channels_last)
+                for sub in m.modules():
+                    if hasattr(sub, "channels_last") and isinstance(sub.channels_last, bool):
+                        sub.channels_last = True       # blocks keep activations channels_last
+        if cfg.grad_checkpointing:
+            syn = self.G.synthesis
+            _checkpoint_blocks(syn, [n for n, _ in syn.named_children() if n.startswith(("b", "L"))])
+            _checkpoint_blocks(self.D, [n for n, _ in self.D.named_children() if n.startswith("b") and n != "b4"])
+        self.G_step = GeneratorStep(self.G, cfg.style_mixing)
+        self.G_train = dist_utils.wrap(self.G_step, self.dist)
+        self.D_train = dist_utils.wrap(self.D, self.dist)
+        self.D_frozen = self.D                       # G phase: gradients reach the images, not D
+        if cfg.compile:
+            self.G_train = torch.compile(self.G_train)
+            self.D_train = torch.compile(self.D_train)
+            self.D_frozen = torch.compile(self.D_frozen)
+
+        # -- optimizers --------------------------------------------------------------------------
+        self.opt_G, self.opt_D = self._build_optimizers()
+        self.scaler_G = self.scaler_D = None
+        if self.amp_dtype is torch.float16:
+            self.scaler_G = torch.amp.GradScaler("cuda")
+            self.scaler_D = torch.amp.GradScaler("cuda")
+
+        # -- augmentation, regularizer state, monitor ---------------------------------------------
+        self.aug: AugmentPipe | None = None
+        self.ada: AdaController | None = None
+        if cfg.aug != "none":
+            self._enable_augment(cfg.aug_p, adaptive=cfg.aug == "ada", target=cfg.ada_target)
+        self.pl_mean = torch.zeros((), device=self.device)
+        self.monitor = CollapseMonitor(device=self.device) if cfg.monitor_kimg > 0 else None
+        self.stats = torch.zeros(len(self._STATS), device=self.device)
+        self.acc_since_monitor = torch.zeros(3, device=self.device)    # [acc_real, acc_fake, n]
+        self.runtime = {"d_steps": cfg.d_steps, "d_dropout": 0.0, "mbstd_group": None}
+        if cfg.d_dropout > 0:
+            self._set_d_dropout(cfg.d_dropout)
+
+        # -- counters ------------------------------------------------------------------------------
+        self.step = 0            # iterations done
+        self.cur_nimg = 0        # real images shown to D
+        self.d_updates = 0
+        self.g_updates = 0
+        self.train_seconds = 0.0  # summed over all pieces of a resumed run
+        self.pieces = 0
+        self.sync_every_step = False   # the benchmark's plain baseline reads losses every step
+        self.c_empty = torch.zeros(self.batch_gpu, 0, device=self.device)
+
+        if resume_doc is not None:
+            self._load(resume)
+        self.out = Path(cfg.out)
+        if self.is_main and self.write_outputs:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if resume is not None:
+                self._carry_log(Path(resume))
+        if self.monitor is not None and self.monitor.state.real_distance <= 0:
+            self.monitor.set_reference(to_float(self._monitor_real.to(self.device)))
+
+    # ------------------------------------------------------------------------------------------------
+    # construction helpers
+
+    @staticmethod
+    def _merge_resume_config(saved: dict, requested: TrainConfig) -> TrainConfig:
+        cfg = TrainConfig.from_dict(saved)
+        for k in RESUME_OVERRIDABLE:
+            default = getattr(TrainConfig(), k)
+            v = getattr(requested, k)
+            if v != default or k in ("out", "kimg", "minutes"):
+                setattr(cfg, k, v)
+        if not requested.data:
+            cfg.data = saved["data"]
+        return cfg
+
+    def _build_optimizers(self):
+        cfg = self.cfg
+        fused = self.device.type == "cuda"
+
+        def lazy(lr, betas, interval):
+            if not interval:
+                return lr, betas
+            r = interval / (interval + 1)
+            return lr * r, tuple(b**r for b in betas)
+
+        g_interval = cfg.pl_interval if cfg.pl_weight > 0 else 0
+        d_interval = cfg.r1_interval if cfg.loss == "r1" else 0
+        if cfg.optimizer == "stylegan2":
+            lr, betas = lazy(cfg.lr_g, (0.0, 0.99), g_interval)
+            opt_G = torch.optim.Adam(self.G.parameters(), lr=lr, betas=betas, eps=1e-8, fused=fused)
+            lr, betas = lazy(cfg.lr_d, (0.0, 0.99), d_interval)
+            opt_D = torch.optim.Adam(self.D.parameters(), lr=lr, betas=betas, eps=1e-8, fused=fused)
+        else:  # the WGAN-GP recipe
+            lr, betas = lazy(cfg.lr_g, (0.5, 0.9), g_interval)
+            opt_G = torch.optim.RAdam(self.G.parameters(), lr=lr, betas=betas, eps=1e-8)
+            lr, betas = lazy(cfg.lr_d, (0.5, 0.9), d_interval)
+            opt_D = torch.optim.Adam(self.D.parameters(), lr=lr, betas=betas, eps=1e-8, fused=fused)
+        return opt_G, opt_D
+
+    def _enable_augment(self, p: float, adaptive: bool, target: float) -> None:
+        self.aug = AugmentPipe(self.cfg.aug_pipe, p=p).to(self.device)
+        if adaptive:
+            self.ada = AdaController(self.aug, target=target, interval=self.cfg.ada_interval,
+                                     speed_kimg=self.cfg.ada_kimg, batch=self.cfg.batch, device=self.device)
+
+    def _set_d_dropout(self, p: float) -> None:
+        for m in self.D.modules():
+            if hasattr(m, "dropout_p"):
+                m.dropout_p = float(p)
+                m.dropout = torch.nn.Dropout(p) if p > 0 else None
+        self.runtime["d_dropout"] = float(p)
+
+    def _set_mbstd_group(self, group: int) -> None:
+        for m in self.D.modules():
+            if type(m).__name__ == "MinibatchStdLayer":
+                m.group_size = int(group)
+        self.runtime["mbstd_group"] = int(group)
+
+    def _mbstd_layer(self):
+        for m in self.D.modules():
+            if type(m).__name__ == "MinibatchStdLayer":
+                return m
+        return None
+
+    # ------------------------------------------------------------------------------------------------
+    # one iteration
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        return self.aug(x) if self.aug is not None else x
+
+    def _backward(self, loss: torch.Tensor, scaler) -> None:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def _opt_step(self, opt, scaler) -> None:
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+    def _d_step(self, real: torch.Tensor) -> None:
+        cfg = self.cfg
+        b = real.shape[0]
+        z = torch.randn(b, self.G.z_dim, device=self.device)
+        with torch.no_grad(), self._autocast():
+            fake = self.G_step(z, self.c_empty[:b], update_emas=True)[0]
+        if self.channels_last:
+            fake = fake.contiguous(memory_format=torch.channels_last)
+        self.opt_D.zero_grad(set_to_none=True)
+        wgan = cfg.loss == "wgan-gp"
+        with dist_utils.no_sync(self.D_train):
+            with self._autocast():
+                fake_aug = self._augment(fake)
+                fake_logits = self.D_train(fake_aug)
+            loss_fake = losses.wgan_d_fake(fake_logits) if wgan else losses.logistic_d_fake(fake_logits)
+            self._backward(loss_fake.mean(), self.scaler_D)
+        sync_ctx = dist_utils.no_sync(self.D_train) if wgan else nullcontext()
+        with sync_ctx:
+            with self._autocast():
+                real_aug = self._augment(real)
+                real_logits = self.D_train(real_aug)
+            loss_real = losses.wgan_d_real(real_logits, cfg.gp_drift) if wgan else losses.logistic_d_real(real_logits)
+            self._backward(loss_real.mean(), self.scaler_D)
+        if wgan:
+            with self._autocast():
+                gp, gp_logits = losses.gradient_penalty(self.D_train, real_aug, fake_aug)
+            self._backward((gp * cfg.gp_lambda + gp_logits.float().flatten() * 0).mean(), self.scaler_D)
+            self.stats[8] += gp.detach().sum()
+            self.stats[9] += b
+        self._opt_step(self.opt_D, self.scaler_D)
+
+        with torch.no_grad():
+            self.stats[2] += (loss_fake + loss_real).detach().sum()
+            self.stats[3] += b
+            acc_r = (real_logits.detach() > 0).float().sum()
+            acc_f = (fake_logits.detach() < 0).float().sum()
+            self.stats[10] += acc_r
+            self.stats[11] += acc_f
+            self.stats[12] += b
+            self.acc_since_monitor += torch.stack([acc_r, acc_f, torch.tensor(float(b), device=self.device)])
+            if self.ada is not None:
+                self.ada.accumulate(real_logits)
+
+    def _d_r1_step(self, real: torch.Tensor) -> None:
+        cfg = self.cfg
+        self.opt_D.zero_grad(set_to_none=True)
+        real_aug = self._augment(real).detach().requires_grad_(True)
+        with self._autocast():
+            logits = self.D_train(real_aug)
+        penalty = losses.r1_penalty(real_aug, logits)
+        gamma = cfg.r1_gamma_value()
+        loss = penalty * (gamma / 2) * cfg.r1_interval + logits.float().flatten() * 0
+        self._backward(loss.mean(), self.scaler_D)
+        self._opt_step(self.opt_D, self.scaler_D)
+        self.stats[4] += penalty.detach().sum()
+        self.stats[5] += penalty.shape[0]
+
+    def _g_step(self) -> None:
+        cfg = self.cfg
+        b = self.batch_gpu
+        _set_requires_grad(self.D, False)
+        self.opt_G.zero_grad(set_to_none=True)
+        z = torch.randn(b, self.G.z_dim, device=self.device)
+        with self._autocast():
+            img, _ = self.G_train(z, self.c_empty[:b])
+            if self.channels_last:
+                img = img.contiguous(memory_format=torch.channels_last)
+            logits = self.D_frozen(self._augment(img))
+        loss = losses.wgan_g(logits) if cfg.loss == "wgan-gp" else losses.logistic_g(logits)
+        self._backward(loss.mean(), self.scaler_G)
+        self._opt_step(self.opt_G, self.scaler_G)
+        _set_requires_grad(self.D, True)
+        self.stats[0] += loss.detach().sum()
+        self.stats[1] += b
+
+    def _g_pl_step(self) -> None:
+        cfg = self.cfg
+        b = max(self.batch_gpu // cfg.pl_batch_shrink, 1)
+        self.opt_G.zero_grad(set_to_none=True)
+        z = torch.randn(b, self.G.z_dim, device=self.device)
+        with self._autocast():
+            img, ws = self.G_train(z, self.c_empty[:b])
+        penalty = losses.path_length_penalty(img, ws, self.pl_mean, cfg.pl_decay)
+        loss = penalty * cfg.pl_weight * cfg.pl_interval + img[:, 0, 0, 0].float() * 0
+        self._backward(loss.mean(), self.scaler_G)
+        self._opt_step(self.opt_G, self.scaler_G)
+        self.stats[6] += penalty.detach().sum()
+        self.stats[7] += b
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        cfg = self.cfg
+        ema_nimg = cfg.ema_kimg_value() * 1000
+        if cfg.ema_rampup is not None:
+            ema_nimg = min(ema_nimg, self.cur_nimg * cfg.ema_rampup)
+        beta = 0.5 ** (cfg.batch / max(ema_nimg, 1e-8))
+        ema_p = list(self.G_ema.parameters())
+        torch._foreach_lerp_(ema_p, [p.detach() for p in self.G.parameters()], 1.0 - beta)
+        torch._foreach_copy_(list(self.G_ema.buffers()), list(self.G.buffers()))
+
+    def iteration(self) -> None:
+        """One training iteration (d_steps D updates, one G update, EMA, ADA)."""
+        cfg = self.cfg
+        # All randomness of this iteration derives from (seed, rank, step): exact resume.
+        torch.manual_seed(_mix(cfg.seed, self.dist.rank, self.step))
+        for _ in range(self.runtime["d_steps"]):
+            real = to_float(self.loader.next(), self.channels_last)
+            self._d_step(real)
+            self.d_updates += 1
+            if cfg.loss == "r1" and cfg.r1_interval > 0 and self.d_updates % cfg.r1_interval == 0:
+                self._d_r1_step(real)
+            self.cur_nimg += cfg.batch
+        self._g_step()
+        self.g_updates += 1
+        if cfg.pl_weight > 0 and self.g_updates % cfg.pl_interval == 0:
+            self._g_pl_step()
+        self.step += 1
+        self._update_ema()
+        if self.ada is not None and self.step % cfg.ada_interval == 0:
+            self.ada.update(dist_utils.all_reduce_sum if self.dist.enabled else None)
+        if self.sync_every_step:
+            self.stats[0].item()
+
+    # ------------------------------------------------------------------------------------------------
+    # monitor and counter-measures
+
+    @torch.no_grad()
+    def render(self, n: int = 64, seed: int = GRID_SEED, psi: float = 1.0, batch: int = 64) -> torch.Tensor:
+        """G_ema images [n, 3, R, R] in [-1, 1] for fixed latents (noise 'const')."""
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(n, self.G_ema.z_dim, generator=g).to(self.device)
+        out = []
+        for i in range(0, n, batch):
+            zb = z[i:i + batch]
+            out.append(self.G_ema(zb, None, truncation_psi=psi, noise_mode="const").float())
+        return torch.cat(out)
+
+    def _run_monitor(self) -> dict:
+        acc = self.acc_since_monitor.clone()
+        if self.dist.enabled:
+            dist_utils.all_reduce_sum(acc)
+        a_real, a_fake, n = acc.tolist()
+        self.acc_since_monitor.zero_()
+        kimg = self.cur_nimg / 1000
+        action = None
+        record = None
+        if self.is_main:
+            samples = self.render(self.cfg.monitor_samples, seed=GRID_SEED + 1)
+            record = self.monitor.evaluate(samples, kimg, a_real / n if n else None, a_fake / n if n else None)
+            if self.cfg.auto_countermeasures:
+                action = self.monitor.choose_countermeasure(record)
+        action = dist_utils.broadcast_object(action, self.dist)
+        if action is not None:
+            detail = self._apply_countermeasure(action)
+            if self.is_main:
+                self.monitor.record_applied(kimg, action, detail)
+                record["countermeasure"] = {"measure": action, "detail": detail}
+        if record is not None:
+            for w in record["warnings"]:
+                self.say(f"[monitor] kimg {kimg:.1f}: WARNING {w}")
+            if action is not None:
+                self.say(f"[monitor] counter-measure applied: {record['countermeasure']['detail']}")
+            self._append_log({"kind": "monitor", **record})
+        if self.dist.enabled and self.monitor is not None:
+            self.monitor.load_state_dict(dist_utils.broadcast_object(self.monitor.state_dict(), self.dist))
+        return record or {}
+
+    def _apply_countermeasure(self, measure: str) -> str:
+        cfg = self.cfg
+        if measure == "augment":
+            if self.aug is None:
+                self._enable_augment(0.0, adaptive=True, target=cfg.ada_target)
+                return "augmentation switched on (ADA, target 0.6)"
+            if self.ada is not None:
+                self.ada.target = min(self.ada.target + 0.1, 0.8)
+                return f"ADA target raised to {self.ada.target:.2f}"
+            self.aug.p.fill_(min(float(self.aug.p) + 0.2, 0.8))
+            return f"fixed augmentation p raised to {float(self.aug.p):.2f}"
+        if measure == "dropout":
+            self._set_d_dropout(0.3)
+            return "dropout 0.3 before the discriminator's last layer"
+        if measure == "mbstd":
+            layer = self._mbstd_layer()
+            if layer is None:
+                return "no minibatch-stddev layer in D (restart with mbstd_num_channels=1 to add one)"
+            cur = min(layer.group_size or self.batch_gpu, self.batch_gpu)
+            new = cur * 2
+            if new > self.batch_gpu or self.batch_gpu % new:
+                return f"minibatch-stddev group already {cur}; the per-GPU batch {self.batch_gpu} allows no larger"
+            self._set_mbstd_group(new)
+            return f"minibatch-stddev group size {cur} -> {new}"
+        if measure == "d_steps":
+            old = self.runtime["d_steps"]
+            self.runtime["d_steps"] = min(old + 1, 5)
+            return f"D:G update ratio {old}:1 -> {self.runtime['d_steps']}:1"
+        raise InputError(f"unknown counter-measure {measure!r}")
+
+    # ------------------------------------------------------------------------------------------------
+    # logging, checkpoints
+
+    def _append_log(self, record: dict) -> None:
+        if not (self.is_main and self.write_outputs):
+            return
+        with open(self.out / LOG_FILE, "a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def _carry_log(self, resume_dir: Path) -> None:
+        """Keep the log up to the checkpoint (drop lines a crashed piece wrote after it)."""
+        src = (resume_dir if resume_dir.is_dir() else resume_dir.parent) / LOG_FILE
+        if not src.is_file():
+            return
+        kimg = self.cur_nimg / 1000
+        kept = []
+        for line in src.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if float(rec.get("kimg", 0)) <= kimg + 1e-9:
+                kept.append(line)
+        (self.out / LOG_FILE).write_text("".join(k + "\n" for k in kept))
+
+    def _state(self) -> dict:
+        return {
+            "config": self.cfg.to_dict(),
+            "step": self.step, "cur_nimg": self.cur_nimg, "kimg": self.cur_nimg / 1000,
+            "d_updates": self.d_updates, "g_updates": self.g_updates,
+            "train_seconds": self.train_seconds, "pieces": self.pieces,
+            "sampler": self.loader.state_dict(),
+            "pl_mean": float(self.pl_mean),
+            "ada": self.ada.state_dict() if self.ada is not None else None,
+            "aug_p": float(self.aug.p) if self.aug is not None else None,
+            "aug_enabled": self.aug is not None,
+            "acc_since_monitor": [float(v) for v in self.acc_since_monitor.tolist()],
+            "runtime": dict(self.runtime),
+            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+            "scalers": {k: s.state_dict() for k, s in (("G", self.scaler_G), ("D", self.scaler_D)) if s is not None},
+            "params": {"G": param_count(self.G), "D": param_count(self.D)},
+            "dataset": {"source": self.data_info.source, "count": self.data_info.count,
+                        "resolution": self.data_info.resolution},
+            "env": {"torch": torch.__version__, "python": platform.python_version(),
+                    "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                    "world_size": self.dist.world_size},
+        }
+
+    def save(self, folder: str | Path | None = None, grid: bool = True) -> dict[str, int]:
+        """Checkpoint (rank 0 writes; every rank waits) and the sample grid."""
+        folder = Path(folder) if folder is not None else self.out
+        sizes = {}
+        if self.is_main:
+            sizes = ckpt.save_checkpoint(folder, {"G": self.G, "G_ema": self.G_ema, "D": self.D},
+                                         {"opt_G": self.opt_G, "opt_D": self.opt_D}, self._state())
+            if grid:
+                self.save_grid(folder / GRID_FILE)
+        dist_utils.barrier(self.dist)
+        return sizes
+
+    def save_grid(self, path: Path, psi: float = 1.0) -> None:
+        from PIL import Image
+
+        imgs = to_uint8_hwc(self.render(64, psi=psi))
+        Image.fromarray(image_grid(imgs, 8)).save(path)
+
+    def _load(self, folder) -> None:
+        doc, tensors = ckpt.load_checkpoint(folder)
+        from models.stylegan2 import load_state_strict
+
+        load_state_strict(self.G, tensors["G"], "generator (G) of the checkpoint")
+        load_state_strict(self.G_ema, tensors["G_ema"], "generator (G_ema) of the checkpoint")
+        load_state_strict(self.D, tensors["D"], "discriminator of the checkpoint")
+        ckpt.load_optimizer(self.opt_G, tensors["opt_G"], doc["optimizers"]["opt_G"], "G")
+        ckpt.load_optimizer(self.opt_D, tensors["opt_D"], doc["optimizers"]["opt_D"], "D")
+        self.step = int(doc["step"])
+        self.cur_nimg = int(doc["cur_nimg"])
+        self.d_updates = int(doc["d_updates"])
+        self.g_updates = int(doc["g_updates"])
+        self.train_seconds = float(doc.get("train_seconds", 0.0))
+        self.pieces = int(doc.get("pieces", 0))
+        self.loader.load_state_dict(doc["sampler"])
+        self.pl_mean.fill_(float(doc["pl_mean"]))
+        if doc.get("aug_enabled") and self.aug is None:
+            self._enable_augment(0.0, adaptive=doc.get("ada") is not None, target=self.cfg.ada_target)
+        if self.aug is not None and doc.get("aug_p") is not None:
+            self.aug.p.fill_(float(doc["aug_p"]))
+        if self.ada is not None and doc.get("ada"):
+            self.ada.load_state_dict(doc["ada"])
+        self.acc_since_monitor.copy_(torch.tensor(doc["acc_since_monitor"], dtype=torch.float32))
+        rt = doc.get("runtime", {})
+        self.runtime["d_steps"] = int(rt.get("d_steps", self.cfg.d_steps))
+        if rt.get("d_dropout"):
+            self._set_d_dropout(float(rt["d_dropout"]))
+        if rt.get("mbstd_group"):
+            self._set_mbstd_group(int(rt["mbstd_group"]))
+        if self.monitor is not None and doc.get("monitor"):
+            self.monitor.load_state_dict(doc["monitor"])
+        for k, s in (("G", self.scaler_G), ("D", self.scaler_D)):
+            if s is not None and k in doc.get("scalers", {}):
+                s.load_state_dict(doc["scalers"][k])
+        self.say(f"[resume] {folder}: kimg {self.cur_nimg / 1000:.1f}, iteration {self.step}, "
+                 f"aug p {float(self.aug.p) if self.aug is not None else 0:.3f}")
+
+    # ------------------------------------------------------------------------------------------------
+    # the run
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        sizes = checkpoint_bytes(self.G, self.D)
+        mib = {k: v / 2**20 for k, v in sizes.items()}
+        return (f"G {param_count(self.G) / 1e6:.2f} M params, D {param_count(self.D) / 1e6:.2f} M; checkpoint "
+                + ", ".join(f"{k} {v:.1f}" for k, v in mib.items()) + f" MiB (total {sum(mib.values()):.1f} MiB); "
+                f"{self.data_info.count} images {cfg.resolution}px ({self.data_info.decoder}, data on "
+                f"{self.loader.where}); batch {cfg.batch} ({self.batch_gpu}/GPU x {self.dist.world_size}), "
+                f"lr G {cfg.lr_g:g} D {cfg.lr_d:g}, loss {cfg.loss}, D:G {self.runtime['d_steps']}:1, "
+                f"R1 gamma {cfg.r1_gamma_value():g}, EMA {cfg.ema_kimg_value():g} kimg, precision {cfg.precision}, "
+                f"channels_last {self.channels_last}, compile {cfg.compile}, aug {cfg.aug}/{cfg.aug_pipe}")
+
+    def run(self) -> dict[str, Any]:
+        """Train until `kimg` or the wall-clock budget; save; return a summary."""
+        cfg = self.cfg
+        self.pieces += 1
+        if self.is_main:
+            self.say("[train] " + self.describe())
+        budget = cfg.minutes * 60 if cfg.minutes else None
+        total_nimg = int(cfg.kimg * 1000)
+        bar = None
+        if self.is_main and cfg.progress:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=round(cfg.kimg, 1), initial=round(self.cur_nimg / 1000, 1), unit="kimg",
+                           dynamic_ncols=True, smoothing=0.1)
+            except ImportError:
+                bar = None
+
+        def crossed(every_kimg: float, before: int, after: int) -> bool:
+            if every_kimg <= 0:
+                return False
+            k = every_kimg * 1000
+            return int(after // k) > int(before // k)
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t_piece = time.time()
+        t_last = time.time()
+        nimg_last = self.cur_nimg
+        last_snapshot_time = time.time()
+        stop_reason = "kimg"
+        interval_seconds = 0.0
+        while self.cur_nimg < total_nimg:
+            before = self.cur_nimg
+            self.iteration()
+            monitor_due = self.monitor is not None and crossed(cfg.monitor_kimg, before, self.cur_nimg)
+            snapshot_due = crossed(cfg.snapshot_kimg, before, self.cur_nimg)
+            if self.step % cfg.log_every == 0 or self.cur_nimg >= total_nimg:
+                # The only regular host synchronisation point.
+                stats = self.stats.clone()
+                if self.dist.enabled:
+                    dist_utils.all_reduce_sum(stats)
+                vals = dict(zip(self._STATS, stats.tolist()))
+                self.stats.zero_()
+                now = time.time()
+                interval_seconds = now - t_last
+                self.train_seconds += interval_seconds
+                img_s = (self.cur_nimg - nimg_last) / max(interval_seconds, 1e-9)
+                t_last, nimg_last = now, self.cur_nimg
+                record = self._log_record(vals, img_s)
+                self._append_log(record)
+                if bar is not None:
+                    bar.n = round(self.cur_nimg / 1000, 1)
+                    bar.set_postfix_str(f"{img_s:,.0f} img/s G {record['loss_G']:.3f} D {record['loss_D']:.3f} "
+                                        f"p {record['aug_p']:.3f} mem {record['mem_gib']:.1f}G", refresh=True)
+                elif self.is_main:
+                    self.say(f"[train] kimg {record['kimg']:.1f} it {self.step} {img_s:,.0f} img/s "
+                             f"G {record['loss_G']:.4f} D {record['loss_D']:.4f} p {record['aug_p']:.3f}")
+                decision = None
+                if self.is_main:
+                    elapsed = now - self.t_start
+                    if budget is not None and elapsed + interval_seconds + cfg.reserve_seconds >= budget:
+                        decision = "stop"
+                    elif cfg.snapshot_minutes > 0 and now - last_snapshot_time >= cfg.snapshot_minutes * 60:
+                        decision = "snapshot"
+                decision = dist_utils.broadcast_object(decision, self.dist)
+                if decision == "stop":
+                    stop_reason = "time budget"
+                    break
+                if decision == "snapshot":
+                    snapshot_due = True
+            if monitor_due:
+                self._run_monitor()
+            if snapshot_due and self.write_outputs and self.cur_nimg < total_nimg:
+                self._flush_stats_for_snapshot()
+                self.save()
+                last_snapshot_time = time.time()
+        if bar is not None:
+            bar.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # Make sure the saved state has no half-interval stats (they are per-log, not part of training).
+        self._flush_stats_for_snapshot()
+        sizes = self.save() if self.write_outputs else {}
+        summary = {
+            "stop_reason": stop_reason, "kimg": self.cur_nimg / 1000, "iterations": self.step,
+            "piece_seconds": time.time() - t_piece, "train_seconds": self.train_seconds,
+            "peak_mem_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                             if self.device.type == "cuda" else 0.0),
+            "checkpoint_mib": {k: round(v / 2**20, 2) for k, v in sizes.items()},
+            "out": str(self.out),
+        }
+        if self.is_main:
+            self._append_log({"kind": "end", **summary})
+            self.say(f"[train] stopped ({stop_reason}) at kimg {summary['kimg']:.1f} after "
+                     f"{summary['piece_seconds']:.0f} s; checkpoint in {self.out}")
+        return summary
+
+    def _flush_stats_for_snapshot(self) -> None:
+        if self.dist.enabled:
+            dist_utils.barrier(self.dist)
+        self.stats.zero_()
+
+    def _log_record(self, v: dict, img_s: float) -> dict:
+        def mean(s, n):
+            return v[s] / v[n] if v[n] else None
+
+        mem = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+        return {
+            "kind": "train", "kimg": round(self.cur_nimg / 1000, 3), "step": self.step,
+            "time": round(time.time() - self.t_start, 2), "train_seconds": round(self.train_seconds, 2),
+            "img_s": round(img_s, 1), "kimg_s": round(img_s / 1000, 4),
+            "loss_G": mean("g_loss", "g_n") or 0.0, "loss_D": mean("d_loss", "d_n") or 0.0,
+            "r1": mean("r1", "r1_n"), "pl": mean("pl", "pl_n"), "gp": mean("gp", "gp_n"),
+            "d_acc_real": mean("acc_real", "acc_n"), "d_acc_fake": mean("acc_fake", "acc_n"),
+            "aug_p": float(self.aug.p) if self.aug is not None else 0.0,
+            "ada_rt": float(self.ada.last_rt) if self.ada is not None else None,
+            "pl_mean": float(self.pl_mean), "d_steps": self.runtime["d_steps"], "mem_gib": round(mem, 3),
+        }
+
+
+def train(cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
+          t_start: float | None = None) -> dict[str, Any]:
+    """Train per `cfg` (resuming from a run folder if given); returns the run summary."""
+    trainer = Trainer(cfg, resume=resume, log=log, t_start=t_start)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.dist.enabled:
+            dist_utils.cleanup()
