@@ -1,0 +1,216 @@
+"""The statistics behind FID, KID and IS, computed from features in float64.
+
+These functions know nothing about networks or images: they take feature
+matrices [N, D] (or logits [N, C]) as numpy arrays or tensors and return
+numbers, so they can be checked against closed forms on random data.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import scipy.linalg
+import torch
+
+from core.errors import InputError
+
+
+class MeanStd(NamedTuple):
+    mean: float
+    std: float
+
+
+def _as_f64(x, name: str, ndim: int = 2) -> np.ndarray:
+    a = x.detach().cpu().numpy() if torch.is_tensor(x) else np.asarray(x)
+    a = a.astype(np.float64, copy=False)
+    if a.ndim != ndim:
+        raise InputError(f"{name} must have {ndim} dimensions; got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise InputError(f"{name} contains NaN or infinite values")
+    return a
+
+
+def feature_stats(features) -> tuple[np.ndarray, np.ndarray]:
+    """Mean [D] and unbiased covariance [D, D] of features [N, D], in float64 (as pytorch-fid's np.cov)."""
+    f = _as_f64(features, "features")
+    if f.shape[0] < 2:
+        raise InputError(f"FID needs at least 2 images per set; got {f.shape[0]}")
+    return f.mean(axis=0), np.cov(f, rowvar=False)
+
+
+def _psd_factor(sigma: np.ndarray) -> np.ndarray:
+    """F with F F^T = sigma: Cholesky when sigma is positive definite (cheap), else V sqrt(max(W, 0))."""
+    try:
+        return np.linalg.cholesky(sigma)
+    except np.linalg.LinAlgError:
+        w, v = np.linalg.eigh(sigma)
+        return v * np.sqrt(np.clip(w, 0, None))
+
+
+def _data_factor(features: np.ndarray) -> np.ndarray:
+    """F [D, N] with F F^T = the unbiased covariance of features [N, D]: the centred data itself."""
+    centred = features - features.mean(axis=0)
+    return centred.T / np.sqrt(features.shape[0] - 1)
+
+
+def _trace_sqrt_product(f1: np.ndarray, f2: np.ndarray) -> float:
+    """tr(sqrt(S1 S2)) for S1 = F1 F1^T, S2 = F2 F2^T: the nuclear norm of F1^T F2.
+
+    The non-zero eigenvalues of S1 S2 = F1 (F1^T F2 F2^T) equal those of (F1^T F2)(F1^T F2)^T,
+    i.e. the squared singular values of F1^T F2; so no matrix square root (and no complex
+    round-off) is needed, and with N < D samples the matrix is only N1 x N2.
+    """
+    return float(np.linalg.svd(f1.T @ f2, compute_uv=False).sum())
+
+
+def _fid(mu1, mu2, tr1: float, tr2: float, tr_covmean: float) -> float:
+    diff = mu1 - mu2
+    return float(diff @ diff + tr1 + tr2 - 2 * tr_covmean)
+
+
+def _check_stats(mu1, sigma1, mu2, sigma2):
+    mu1, mu2 = _as_f64(mu1, "mu1", 1), _as_f64(mu2, "mu2", 1)
+    sigma1, sigma2 = _as_f64(sigma1, "sigma1"), _as_f64(sigma2, "sigma2")
+    d = mu1.shape[0]
+    if mu2.shape != (d,) or sigma1.shape != (d, d) or sigma2.shape != (d, d):
+        raise InputError(f"feature statistics do not match: mu {mu1.shape} vs {mu2.shape}, "
+                         f"sigma {sigma1.shape} vs {sigma2.shape} (were they made with the same network?)")
+    return mu1, sigma1, mu2, sigma2
+
+
+FID_METHODS = ("auto", "sqrtm")
+
+
+def fid_from_stats(mu1, sigma1, mu2, sigma2, eps: float = 1e-6, method: str = "auto") -> float:
+    """Fréchet distance between N(mu1, sigma1) and N(mu2, sigma2):
+    |mu1 - mu2|^2 + tr(S1) + tr(S2) - 2 tr(sqrt(S1 S2)).
+
+    method="auto": tr(sqrt(S1 S2)) as the nuclear norm of F1^T F2 for factors F F^T = S
+    (Cholesky, or eigen factors for singular covariances): exact for PSD inputs, real, and
+    several times faster than a general matrix square root.
+    method="sqrtm" follows pytorch-fid step by step: scipy's sqrtm of S1 S2; if that is not
+    finite (near-singular covariances), retry with eps on both diagonals; drop a negligible
+    imaginary part. Where the imaginary part is not negligible pytorch-fid gives up; we fall
+    back to the factor form instead.
+    """
+    mu1, sigma1, mu2, sigma2 = _check_stats(mu1, sigma1, mu2, sigma2)
+    if method not in FID_METHODS:
+        raise InputError(f"FID method must be one of {', '.join(FID_METHODS)}; got {method!r}")
+    tr1, tr2 = float(np.trace(sigma1)), float(np.trace(sigma2))
+    if method == "sqrtm":
+        tr_covmean = _trace_sqrtm_like_pytorch_fid(sigma1, sigma2, eps)
+        if tr_covmean is not None:
+            return _fid(mu1, mu2, tr1, tr2, tr_covmean)
+    return _fid(mu1, mu2, tr1, tr2, _trace_sqrt_product(_psd_factor(sigma1), _psd_factor(sigma2)))
+
+
+def _trace_sqrtm_like_pytorch_fid(sigma1: np.ndarray, sigma2: np.ndarray, eps: float) -> float | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # scipy warns on singular products; the checks below decide
+        covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
+        if not np.isfinite(covmean).all():
+            offset = np.eye(sigma1.shape[0]) * eps
+            covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
+    if not np.isfinite(covmean).all():
+        return None
+    if np.iscomplexobj(covmean):
+        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
+            return None
+        covmean = covmean.real
+    return float(np.trace(covmean))
+
+
+def fid_from_features(a, b, eps: float = 1e-6, method: str = "auto") -> float:
+    """FID between two feature sets [N1, D] and [N2, D] (pool3 features for the standard FID).
+
+    With method="auto", a set with no more samples than dimensions enters through its centred
+    data (an N x D factor of its covariance), so small evaluations never build a D x D root.
+    """
+    fa, fb = _as_f64(a, "features a"), _as_f64(b, "features b")
+    if fa.shape[1] != fb.shape[1]:
+        raise InputError(f"feature sets differ in width: {fa.shape[1]} vs {fb.shape[1]}")
+    mu1, s1 = feature_stats(fa)
+    mu2, s2 = feature_stats(fb)
+    if method != "auto":
+        return fid_from_stats(mu1, s1, mu2, s2, eps=eps, method=method)
+    d = fa.shape[1]
+    f1 = _data_factor(fa) if fa.shape[0] <= d else _psd_factor(s1)
+    f2 = _data_factor(fb) if fb.shape[0] <= d else _psd_factor(s2)
+    return _fid(mu1, mu2, float(np.trace(s1)), float(np.trace(s2)), _trace_sqrt_product(f1, f2))
+
+
+def polynomial_mmd2_unbiased(x, y, degree: int = 3, gamma: float | None = None, coef0: float = 1.0) -> float:
+    """Unbiased MMD^2 with k(a, b) = (gamma a.b + coef0)^degree, gamma = 1/D by default (the KID kernel).
+
+    Within-set sums leave out the diagonal (k(x_i, x_i)); the cross term keeps every pair.
+    Inputs are used as given (float64 tensors recommended); returns a Python float.
+    """
+    x, y = torch.as_tensor(x), torch.as_tensor(y)
+    assert x.ndim == 2 and y.ndim == 2 and x.shape[1] == y.shape[1], (tuple(x.shape), tuple(y.shape))
+    m, n = x.shape[0], y.shape[0]
+    if m < 2 or n < 2:
+        raise InputError(f"KID needs at least 2 samples per set; got {m} and {n}")
+    g = 1.0 / x.shape[1] if gamma is None else gamma
+    kxx = (x @ x.T * g + coef0) ** degree
+    kyy = (y @ y.T * g + coef0) ** degree
+    kxy = (x @ y.T * g + coef0) ** degree
+    xx = (kxx.sum() - kxx.diagonal().sum()) / (m * (m - 1))
+    yy = (kyy.sum() - kyy.diagonal().sum()) / (n * (n - 1))
+    xy = kxy.sum() / (m * n)
+    return float(xx + yy - 2 * xy)
+
+
+def kid_from_features(a, b, subsets: int = 100, subset_size: int = 1000, degree: int = 3, gamma: float | None = None,
+                      coef0: float = 1.0, seed: int = 0, device: str | torch.device | None = None) -> MeanStd:
+    """Kernel Inception Distance: unbiased polynomial MMD^2 averaged over random subsets (mean, std).
+
+    As in the KID paper and torch-fidelity: `subsets` draws of `subset_size` samples without
+    replacement from each set; the subset size shrinks to the smaller set when there are fewer
+    samples (then every draw is a permutation of all samples and the std is 0).
+    """
+    fa, fb = _as_f64(a, "features a"), _as_f64(b, "features b")
+    if fa.shape[1] != fb.shape[1]:
+        raise InputError(f"feature sets differ in width: {fa.shape[1]} vs {fb.shape[1]}")
+    if int(subsets) < 1:
+        raise InputError("KID needs at least one subset")
+    size = min(int(subset_size), fa.shape[0], fb.shape[0])
+    if size < 2:
+        raise InputError(f"KID needs at least 2 images per set; got {fa.shape[0]} and {fb.shape[0]}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    ta = torch.from_numpy(fa).to(dev)
+    tb = torch.from_numpy(fb).to(dev)
+    rng = np.random.RandomState(seed)
+    values = np.empty(int(subsets))
+    for i in range(int(subsets)):
+        ia = torch.from_numpy(rng.choice(fa.shape[0], size, replace=False)).to(dev)
+        ib = torch.from_numpy(rng.choice(fb.shape[0], size, replace=False)).to(dev)
+        values[i] = polynomial_mmd2_unbiased(ta[ia], tb[ib], degree=degree, gamma=gamma, coef0=coef0)
+    return MeanStd(float(values.mean()), float(values.std()))
+
+
+def inception_score(logits, splits: int = 10, shuffle: bool = True, seed: int = 2020) -> MeanStd:
+    """IS = exp(E_x KL(p(y|x) || p(y))) per split of the samples; mean and std over splits.
+
+    `logits` [N, C] are unnormalised class scores (the 1008 Inception logits). p(y) is the
+    mean of p(y|x) within a split. Shuffling first (fixed seed, as torch-fidelity) keeps
+    sorted inputs (e.g. a class-ordered folder) from giving each split one class.
+    """
+    lg = torch.from_numpy(_as_f64(logits, "logits"))
+    n = lg.shape[0]
+    splits = int(splits)
+    if splits < 1:
+        raise InputError("the Inception Score needs at least one split")
+    if n < splits:
+        raise InputError(f"the Inception Score with {splits} splits needs at least {splits} images; got {n}")
+    if shuffle:
+        lg = lg[torch.from_numpy(np.random.RandomState(seed).permutation(n))]
+    log_p = torch.log_softmax(lg, dim=1)
+    scores = []
+    for i in range(splits):
+        chunk = log_p[i * n // splits:(i + 1) * n // splits]
+        # log p(y) = log mean_x p(y|x), kept in log space so no class underflows to log(0)
+        log_py = torch.logsumexp(chunk, dim=0) - np.log(chunk.shape[0])
+        kl = (chunk.exp() * (chunk - log_py)).sum(dim=1).mean()
+        scores.append(float(torch.exp(kl)))
+    return MeanStd(float(np.mean(scores)), float(np.std(scores)))
