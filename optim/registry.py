@@ -1,16 +1,41 @@
-"""Applies the toggles named in OptimizationFlags to a model, in a fixed order."""
+"""Applies the toggles named in OptimizationFlags, in a fixed order, and collects their reports.
+
+Order, and why:
+ 1. placement   the pipeline goes to the device (or, with cpu-offload, gets accelerate's hooks)
+ 2. prune       on full-precision weights, so the drift it reports is pruning's alone
+ 3. precision   weight casts before anything that depends on the dtype
+ 4. channels_last, attention, memory savers   layout and kernel choices
+ 5. fp8         quantizes the final-dtype linear layers
+ 6. tensorrt    exports what the steps above produced
+ 7. compile     last: it traces everything above (and skips what TensorRT serves)
+"""
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from core.errors import OptionalDependencyError
 from core.types import OptimizationFlags
+from optim import attention as _attention
+from optim import channels_last as _channels_last
+from optim import compile as _compile
+from optim import fp8 as _fp8
+from optim import memory as _memory
 from optim import precision as _precision
+from optim import prune as _prune
+from optim import tensorrt as _tensorrt
+from optim.report import ToggleReport, ordered, skipped
+from optim.targets import Context, resolve
 
-Report = dict[str, dict[str, Any]]
+Report = dict[str, ToggleReport]
+
+
+def default_cache_dir() -> Path:
+    from core.settings import Settings
+
+    return Settings.from_env().cache_dir
 
 
 def requested_toggles(flags: OptimizationFlags) -> list[str]:
@@ -33,29 +58,105 @@ def requested_toggles(flags: OptimizationFlags) -> list[str]:
     return names
 
 
-def prepare(module: torch.nn.Module, flags: OptimizationFlags, device: torch.device, kind: str) -> tuple[torch.nn.Module, Report]:
-    """Apply module-level toggles. `kind` is 'stylegan' or 'diffusion'. Returns (module, report)."""
+def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, kind: str, *,
+            cache_dir: str | Path | None = None, weights_hash: str | None = None,
+            on_status: Callable[[str], None] | None = None) -> tuple[Any, Report]:
+    """Apply the module-level toggles once, when a model is loaded for a set of flags.
+
+    module: kind="stylegan": the Generator (already on `device`, eval, no grad).
+            kind="diffusion": the diffusers pipeline object (preferred: every component is
+            handled and the pipeline is placed on `device`), or the bare UNet.
+    cache_dir: root of the compile / TensorRT caches (default: Settings' cache_dir).
+    weights_hash: the model file's sha256, for the TensorRT engine cache key.
+    on_status: receives "compiling (first run for this size)" and similar messages.
+    Returns (what to use from now on, report). With --strict a requested toggle that cannot
+    run raises OptionalDependencyError instead of being skipped.
+    """
+    device = torch.device(device)
+    target = resolve(module, kind)
+    ctx = Context(device=device, cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+                  weights_hash=weights_hash, on_status=on_status)
     report: Report = {}
-    module, report["precision"] = _precision.prepare(module, flags, device, kind)
-    for name in requested_toggles(flags)[1:]:
-        report[name] = {"applied": False, "reason": "this toggle is not available in this build yet"}
+
+    # 1. placement (pipelines only; a bare module is where its owner put it). With CPU offload
+    #    accelerate places the models itself, after the weight casts below.
+    offload = target.is_pipeline and "cpu-offload" in flags.memory
+    if target.is_pipeline and not (offload and _memory.offload_reason(target, ctx) is None):
+        target.pipe.to(device)
+    # 2-3. pruning, precision
+    if flags.prune_amount > 0:
+        report["prune"] = _prune.apply(target, flags, ctx)
+    report["precision"] = _precision.apply(target, flags, ctx)
+    offload_report = _memory.apply_offload(target, ctx) if offload else None
+    # 4. layout, kernels, memory savers
+    if flags.channels_last:
+        report["channels_last"] = _channels_last.apply(target, flags, ctx)
+    if flags.attention != "sdpa":
+        report["attention"] = _attention.apply(target, flags, ctx)
+    if flags.memory:
+        report["memory"] = _memory.apply(target, flags, ctx, offload=offload_report)
+    # 5-7. FP8, TensorRT, compile
+    if flags.fp8:
+        report["fp8"] = _fp8.apply(target, flags, ctx)
+    exclude: dict[str, str] = {}
+    if flags.tensorrt:
+        report["tensorrt"] = _tensorrt.apply(target, flags, ctx,
+                                             fp8_applied=bool(report.get("fp8", {}).get("applied")))
+        if report["tensorrt"]["applied"]:
+            comp = "generator" if target.kind == "stylegan" else "unet"
+            exclude[comp] = "the TensorRT engine runs this part; torch.compile is not stacked on it"
+    if flags.compile != "off":
+        report["compile"] = _compile.apply(target, flags, ctx, exclude=exclude)
+    report = ordered(report)
     _enforce_strict(flags, report)
-    return module, report
+    return target.root, report
 
 
 def runtime(flags: OptimizationFlags, device: torch.device):
     """Context manager for one forward call under the requested precision."""
-    return _precision.runtime(flags, device)
+    return _precision.runtime(flags, torch.device(device))
+
+
+def availability(device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
+    """name -> (can run here, why / what) for every toggle, for the UI's panel."""
+    from optim.hardware import NO_GPU, capability, has_package, where
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = capability(dev) is not None
+    out: dict[str, tuple[bool, str]] = {}
+    if cuda:
+        bf16 = torch.cuda.is_bf16_supported()
+        out["precision"] = (True, "fp32, tf32, fp16" + (", bf16" if bf16 else "") + " (weights cast for diffusion, "
+                            "AMP autocast for StyleGAN)")
+    else:
+        out["precision"] = (True, "fp32 and bf16 autocast on the CPU; tf32 and fp16 need a GPU")
+    out["channels_last"] = (True, "NHWC convolutions" + ("" if cuda else " (gains are largest on GPUs)"))
+    xr = _attention.unavailable_reason("xformers", dev)
+    out["attention"] = (True, "sdpa, math" + ("" if xr else ", xformers") + (f"; xformers: {xr}" if xr else ""))
+    cr = _compile.unavailable_reason(dev)
+    out["compile"] = (cr is None, cr or ("default; reduce-overhead (CUDA graphs)" if cuda
+                                         else "default (CUDA graphs need a GPU)"))
+    fr = _fp8.unavailable_reason(dev)
+    out["fp8"] = (fr is None, fr or f"torchao float8 on linear layers >= {_fp8.FP8_MIN_FEATURES} features (diffusion)")
+    out["prune"] = (True, "l1-unstructured; structured (StyleGAN channels"
+                    + (", UNet ResNet blocks via torch-pruning)" if has_package("torch_pruning")
+                       else "; UNet needs torch-pruning)"))
+    tr = _tensorrt.unavailable_reason(dev)
+    out["tensorrt"] = (tr is None, tr or "ONNX export + engine build, cached per weights/GPU/profile")
+    mem = "attention slicing, VAE tiling, VAE slicing (diffusion)"
+    out["memory"] = (True, mem + ("; CPU offload" if cuda and has_package("accelerate")
+                                  else f"; CPU offload needs a GPU ({where(dev) if torch.cuda.is_available() else NO_GPU})"))
+    return out
 
 
 def _enforce_strict(flags: OptimizationFlags, report: Report) -> None:
     if not flags.strict:
         return
-    skipped = {k: v.get("reason", "") for k, v in report.items() if not v.get("applied")
-               and not (k == "precision" and flags.precision == "fp32")}
-    if skipped:
-        detail = "; ".join(f"{k}: {r}" for k, r in skipped.items())
+    wanted = set(requested_toggles(flags))
+    failed = {k: v.get("reason", "") for k, v in report.items() if k in wanted and not v.get("applied")}
+    if failed:
+        detail = "; ".join(f"{k}: {r}" for k, r in failed.items())
         raise OptionalDependencyError(f"--strict: requested optimizations could not run here ({detail})")
 
 
-__all__ = ["prepare", "runtime", "requested_toggles", "contextlib"]
+__all__ = ["prepare", "runtime", "requested_toggles", "availability", "default_cache_dir", "skipped"]

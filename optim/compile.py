@@ -1,0 +1,359 @@
+"""torch.compile (inductor) with an on-disk cache, shape buckets and a "compiling" status.
+
+What gets compiled: StyleGAN's synthesis network (ws -> image) and the diffusion UNet, the
+parts that run for every image / every step. StyleGAN's mapping network stays eager: its
+truncation ψ is a Python float, and dynamo specialises on floats, so compiling it would
+recompile for every ψ an artist tries.
+
+Shape buckets: compiled with dynamic=False, so each input shape is its own graph. StyleGAN
+batches are padded up to the next bucket (1, 2, 4, 8, 16, 32, 64, then multiples of 64)
+and the padding sliced off, so an artist changing the seed count compiles at most a handful
+of graphs; a diffusion resolution (latent height × width × batch) compiles once. Each call
+runs under no_grad so grad mode never causes a recompile. A test runs with
+`torch._dynamo.config.error_on_recompile = True` after warm-up to hold this.
+
+Cache: inductor's FX-graph cache and triton's kernel cache live under
+`<cache_dir>/compile/`, and after each new bucket the portable cache artifacts
+(`torch.compiler.save_cache_artifacts`) are written there too and loaded at the next start,
+so a second start skips the compile (it still traces, a few seconds instead of a minute).
+
+Status: the first call of a bucket compiles (tens of seconds for a UNet). Callers learn it
+before the call with `is_first_run(obj, shape_key)` and through `set_status_callback`, which
+receives FIRST_RUN_STATUS before that call and "compiled ..." after it.
+
+mode="reduce-overhead" adds CUDA graphs (replays the whole kernel sequence with one launch;
+largest win for small batches). Outputs are cloned because a replay overwrites them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from core.errors import AtelierError
+from core.types import OptimizationFlags
+from optim.hardware import capability, cxx_compiler, has_package, where
+from optim.report import ToggleReport, applied, skipped
+from optim.targets import Context, Target
+
+FIRST_RUN_STATUS = "compiling (first run for this size)"
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_TRACKER_ATTR = "_atelier_compile_tracker"
+_loaded_artifacts: set[str] = set()
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability and cache
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        if not has_package("triton"):
+            return "torch.compile on the GPU needs triton (it ships with the CUDA torch wheels; reinstall torch)"
+        return None
+    if device.type == "cpu":
+        if cxx_compiler() is None:
+            return "torch.compile on the CPU needs a C++ compiler (g++ or clang++) for inductor; none was found"
+        return None
+    return f"torch.compile is not supported for {device.type} here; {where(device)}"
+
+
+class CompileCache:
+    """Inductor / triton caches and portable cache artifacts under `<root>/compile/`."""
+
+    def __init__(self, root: Path | str):
+        self.dir = Path(root) / "compile"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.dir / "artifacts"
+
+    def activate(self) -> int:
+        """Point inductor and triton at our folder and load saved artifacts; returns files loaded."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((self.dir / "inductor").resolve())
+        os.environ["TRITON_CACHE_DIR"] = str((self.dir / "triton").resolve())
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+        # Enough room for every bucket of a few cached pipelines before dynamo gives up and runs eagerly.
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
+        return self.load_artifacts()
+
+    def _prefix(self) -> str:
+        return f"torch{torch.__version__.replace('+', '_')}-"
+
+    def load_artifacts(self) -> int:
+        if not hasattr(torch.compiler, "load_cache_artifacts") or not self.artifacts_dir.is_dir():
+            return 0
+        n = 0
+        for path in sorted(self.artifacts_dir.glob(self._prefix() + "*.bin")):
+            key = str(path.resolve())
+            if key in _loaded_artifacts:
+                continue
+            try:
+                torch.compiler.load_cache_artifacts(path.read_bytes())
+                n += 1
+            except Exception:  # a stale or truncated file only costs a recompile; drop it
+                path.unlink(missing_ok=True)
+            _loaded_artifacts.add(key)
+        return n
+
+    def save_artifacts(self, key: str) -> Path | None:
+        if not hasattr(torch.compiler, "save_cache_artifacts"):
+            return None
+        saved = torch.compiler.save_cache_artifacts()
+        if not saved or not saved[0]:
+            return None
+        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        path = self.artifacts_dir / f"{self._prefix()}{key}.bin"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(saved[0])
+        tmp.replace(path)                  # atomic: a crash never leaves half a file to load
+        _loaded_artifacts.add(str(path.resolve()))
+        return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets and status
+
+
+def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    """The compiled batch size a batch of n runs at."""
+    if n < 1:
+        raise ValueError("batch size must be at least 1")
+    for b in buckets:
+        if n <= b:
+            return b
+    step = buckets[-1]
+    return -(-n // step) * step
+
+
+class BucketTracker:
+    """Which shapes have compiled, how long each took, and who to tell when one is compiling."""
+
+    def __init__(self, report: dict, on_status: Callable[[str], None] | None = None):
+        self.seen: dict[tuple, float] = {}
+        self.failed: dict[tuple, str] = {}
+        self.on_status = on_status
+        self.report = report               # the live compile report: buckets are added as they compile
+
+    def status(self, message: str) -> None:
+        if self.on_status is not None:
+            self.on_status(message)
+
+
+class _BucketedCall:
+    """Replaces an OptimizedModule's forward: bucket the shape, announce first runs, fall back on failure."""
+
+    def __init__(self, compiled_forward, eager: torch.nn.Module, tracker: BucketTracker, kind: str,
+                 cudagraphs: bool, cache: CompileCache | None, cache_key: str):
+        self.compiled_forward = compiled_forward
+        self.eager = eager
+        self.tracker = tracker
+        self.kind = kind
+        self.cudagraphs = cudagraphs
+        self.cache = cache
+        self.cache_key = cache_key
+
+    def __call__(self, *args, **kwargs):
+        n = None
+        if self.kind == "stylegan":
+            ws = args[0] if args else kwargs.pop("ws")
+            args = args[1:]
+            n = int(ws.shape[0])
+            key = stylegan_key(n, kwargs.get("noise_mode", "const"))
+            pad = key[0] - n
+            if pad:
+                ws = torch.cat([ws, ws[-1:].expand(pad, *ws.shape[1:])])
+            call_args: tuple = (ws, *args)
+        else:
+            sample = args[0] if args else kwargs.get("sample")
+            key = unet_key(sample)
+            call_args = args
+        tr = self.tracker
+        if key in tr.failed:
+            return self._eager(call_args, kwargs, n)
+        first = key not in tr.seen
+        if first:
+            tr.status(FIRST_RUN_STATUS)
+            t0 = time.perf_counter()
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            with torch.no_grad():
+                out = self.compiled_forward(*call_args, **kwargs)
+        except AtelierError:
+            raise
+        except Exception as exc:
+            if not first:
+                raise
+            # A compiler failure must not cost the artist the image: run eagerly and say so.
+            reason = f"torch.compile failed for shape {list(key)} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); ran eagerly"
+            tr.failed[key] = reason
+            tr.report.setdefault("failures", {})[_key_str(key)] = reason
+            tr.status(reason)
+            return self._eager(call_args, kwargs, n)
+        if first:
+            if out is not None and isinstance(out, torch.Tensor) and out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            ms = (time.perf_counter() - t0) * 1e3
+            tr.seen[key] = ms
+            tr.report.setdefault("buckets", {})[_key_str(key)] = {"first_call_ms": round(ms, 1)}
+            tr.status(f"compiled {_key_str(key)} in {ms / 1e3:.1f} s")
+            if self.cache is not None:
+                try:
+                    saved = self.cache.save_artifacts(self.cache_key)
+                    if saved:
+                        tr.report["cache_artifacts"] = str(saved)
+                except OSError as exc:  # a read-only cache folder only costs the next start a compile
+                    tr.report["cache_warning"] = f"could not save compile artifacts: {exc}"
+        return self._finish(out, n)
+
+    def _eager(self, args, kwargs, n):
+        with torch.no_grad():
+            return self._finish(self.eager(*args, **kwargs), n, clone=False)
+
+    def _finish(self, out, n, clone: bool = True):
+        if self.kind == "stylegan":
+            out = out[:n]
+        if self.cudagraphs and clone:
+            out = _clone_outputs(out)
+        return out
+
+
+def _clone_outputs(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_clone_outputs(o) for o in out)
+    if hasattr(out, "sample") and isinstance(out.sample, torch.Tensor):   # diffusers output dataclass
+        out.sample = out.sample.clone()
+    return out
+
+
+def stylegan_key(batch: int, noise_mode: str = "const") -> tuple:
+    return (batch_bucket(int(batch)), str(noise_mode))
+
+
+def unet_key(sample: torch.Tensor) -> tuple:
+    return tuple(int(s) for s in (sample.shape[0], *sample.shape[2:]))
+
+
+def _key_str(key: tuple) -> str:
+    return "x".join(str(k) for k in key)
+
+
+def _find_tracker(obj: Any) -> BucketTracker | None:
+    cands = [obj]
+    if not isinstance(obj, torch.nn.Module):
+        cands += [getattr(obj, "unet", None)]
+    elif hasattr(obj, "synthesis"):
+        cands.append(obj.synthesis)
+    for c in cands:
+        tr = getattr(c, _TRACKER_ATTR, None) if c is not None else None
+        if isinstance(tr, BucketTracker):
+            return tr
+    return None
+
+
+def is_first_run(obj: Any, shape_key) -> bool:
+    """True when the next call at this shape will compile (the UI then says FIRST_RUN_STATUS).
+
+    `obj`: what prepare returned (generator, pipeline, UNet). `shape_key`: for StyleGAN the
+    batch size (int) or (batch, noise_mode); for diffusion (unet_batch, latent_h, latent_w),
+    where unet_batch counts both halves of classifier-free guidance.
+    False when nothing is compiled.
+    """
+    tr = _find_tracker(obj)
+    if tr is None:
+        return False
+    if isinstance(shape_key, int):
+        key = stylegan_key(shape_key)
+    elif len(shape_key) == 2 and isinstance(shape_key[1], str):
+        key = stylegan_key(*shape_key)
+    else:
+        key = tuple(int(k) for k in shape_key)
+    return key not in tr.seen and key not in tr.failed
+
+
+def set_status_callback(obj: Any, fn: Callable[[str], None] | None) -> bool:
+    """Route compile status messages (FIRST_RUN_STATUS, "compiled ...") to `fn` (e.g. the job's
+    progress message). Returns False when nothing is compiled."""
+    tr = _find_tracker(obj)
+    if tr is None:
+        return False
+    tr.on_status = fn
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The toggle
+
+
+def compile_module(module: torch.nn.Module, kind: str, mode: str, device: torch.device, report: dict,
+                   cache: CompileCache | None = None, cache_key: str = "", backend: str = "inductor",
+                   on_status: Callable[[str], None] | None = None) -> torch.nn.Module:
+    """torch.compile `module` (a StyleGAN synthesis network or a UNet) behind the bucketing call."""
+    cudagraphs = mode == "reduce-overhead" and device.type == "cuda"
+    compiled = torch.compile(module, mode=mode if cudagraphs else "default", dynamic=False,
+                             backend=backend, fullgraph=False)
+    tracker = BucketTracker(report, on_status)
+    compiled.forward = _BucketedCall(compiled.forward, module, tracker, kind, cudagraphs, cache, cache_key)
+    object.__setattr__(module, _TRACKER_ATTR, tracker)   # found through the wrapper's __getattr__ too
+    return compiled
+
+
+def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component: torch.nn.Module) -> str:
+    ident = ctx.weights_hash or ",".join(f"{tuple(p.shape)}" for p in list(component.parameters())[:64])
+    raw = f"{target.kind}|{flags.compile}|{flags.precision}|{capability(ctx.device)}|{type(component).__name__}|{ident}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str = "inductor",
+          exclude: dict[str, str] | None = None) -> ToggleReport:
+    """`exclude`: component -> reason it is served by something else (a TensorRT engine)."""
+    mode = flags.compile
+    reason = unavailable_reason(ctx.device) if backend == "inductor" else None
+    if reason:
+        return skipped(reason, mode=mode)
+    if ctx.offloaded:
+        return skipped("torch.compile is not combined with model CPU offload here (weights move every step); "
+                       "turn off cpu-offload to compile", mode=mode)
+    name = "generator" if target.kind == "stylegan" else "unet"
+    if exclude and name in exclude:
+        return skipped(exclude[name], mode=mode)
+    cache = CompileCache(ctx.cache_dir)
+    loaded = cache.activate() if backend == "inductor" else 0
+    effective = mode if (mode != "reduce-overhead" or ctx.device.type == "cuda") else "default"
+    details: dict = {"mode": effective, "backend": backend, "dynamic": False, "cache_dir": str(cache.dir),
+                     "cache_artifacts_loaded": loaded, "buckets": {}}
+    if effective != mode:
+        details["note"] = "CUDA graphs (reduce-overhead) need a CUDA GPU; compiled in default mode"
+    rep = applied("", **details)
+    if target.kind == "stylegan":
+        G = target.root
+        syn = G.synthesis
+        key = _cache_key(target, flags, ctx, syn)
+        G.synthesis = compile_module(syn, "stylegan", effective, ctx.device, rep, cache if backend == "inductor" else None,
+                                     key, backend, ctx.on_status)
+        rep.update(component="synthesis", batch_buckets=list(BATCH_BUCKETS),
+                   reason="synthesis network compiled; batches padded to the next bucket, each bucket compiles once "
+                          "(first run for a size takes a while, later runs reuse it)")
+    else:
+        unet = target.get("unet")
+        key = _cache_key(target, flags, ctx, unet)
+        target.set("unet", compile_module(unet, "unet", effective, ctx.device, rep,
+                                          cache if backend == "inductor" else None, key, backend, ctx.on_status))
+        rep.update(component="unet",
+                   reason="UNet compiled; each resolution and batch compiles once (first run for a size takes a while)")
+    if effective == "reduce-overhead":
+        rep["reason"] += "; CUDA graphs replay each step with one launch"
+    return rep

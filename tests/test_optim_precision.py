@@ -1,0 +1,97 @@
+"""Precision toggle against the fp32 reference on the same seeds.
+
+Measured on the CPU (bf16 autocast vs fp32, seeds 0-1 (sg3: 0), const noise, PSNR over [-1, 1]):
+sg2_uncond_32 40.6 dB, sg2_cond4_64_fp16 36.6 dB, sg3t_uncond_32 rel. error 1.3 %.
+"""
+import pytest
+import torch
+
+import optim
+from core.types import OptimizationFlags as Flags
+from evaluation.drift import psnr, ssim
+from tests.optim_helpers import CPU, generate, load_G, prepared, rel_err
+
+
+@pytest.mark.parametrize("name,min_psnr", [("sg2_uncond_32", 35.0), ("sg2_cond4_64_fp16", 32.0)])
+def test_bf16_autocast_stylegan2_close_to_fp32(testdata, name, min_psnr):
+    ref = generate(load_G(testdata, name), Flags(), seeds=(0, 1))
+    G, report = prepared(testdata, name, Flags(precision="bf16"))
+    out = generate(G, Flags(precision="bf16"), seeds=(0, 1))
+    assert report["precision"] == {"applied": True, "mode": "autocast-bf16", "reason": report["precision"]["reason"]}
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert not torch.equal(out, ref)                      # bf16 really ran
+    assert psnr(ref, out, 2.0) > min_psnr
+    assert ssim(ref, out, 2.0) > 0.98
+
+
+def test_bf16_autocast_stylegan3_close_to_fp32(testdata):
+    ref = generate(load_G(testdata, "sg3t_uncond_32"), Flags(), seeds=(0,))
+    G, _ = prepared(testdata, "sg3t_uncond_32", Flags(precision="bf16"))
+    out = generate(G, Flags(precision="bf16"), seeds=(0,))
+    assert not torch.equal(out, ref)
+    assert rel_err(ref, out) < 0.03
+
+
+def test_fp32_is_the_reference_bit_for_bit(testdata):
+    ref = generate(load_G(testdata, "sg2_uncond_32"), Flags())
+    G, report = prepared(testdata, "sg2_uncond_32", Flags())
+    assert report["precision"]["applied"] and report["precision"]["mode"] == "fp32"
+    assert torch.equal(generate(G, Flags()), ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU skip reasons")
+def test_cpu_skips_fp16_and_tf32_with_reasons(testdata):
+    _, r16 = prepared(testdata, "sg2_uncond_32", Flags(precision="fp16"))
+    assert r16["precision"]["applied"] is False and "bf16 on the CPU" in r16["precision"]["reason"]
+    _, r32 = prepared(testdata, "sg2_uncond_32", Flags(precision="tf32"))
+    assert r32["precision"]["applied"] is False and "TF32 needs" in r32["precision"]["reason"]
+    # the skipped modes still produce the fp32 image
+    ref = generate(load_G(testdata, "sg2_uncond_32"), Flags())
+    G, _ = prepared(testdata, "sg2_uncond_32", Flags(precision="fp16"))
+    assert torch.equal(generate(G, Flags(precision="fp16")), ref)
+
+
+def test_diffusion_pipeline_bf16_on_cpu_is_autocast_and_close():
+    from tests.optim_tiny import tiny_unet, unet_inputs
+
+    x, t, c = unet_inputs()
+    ref = tiny_unet()(x, t, c).sample
+    unet, report = optim.prepare(tiny_unet(), Flags(precision="bf16"), CPU, kind="diffusion")
+    with torch.no_grad(), optim.runtime(Flags(precision="bf16"), CPU):
+        out = unet(x, t, c).sample.float()
+    assert report["precision"]["mode"] == "autocast-bf16"
+    assert next(unet.parameters()).dtype == torch.float32          # autocast: weights stay fp32
+    assert rel_err(ref, out) < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,min_psnr", [("fp16", 35.0), ("bf16", 32.0), ("tf32", 45.0)])
+def test_gpu_precisions_stylegan(testdata, precision, min_psnr):
+    cuda = torch.device("cuda")
+    ref = generate(load_G(testdata, "sg2_cond4_64_fp16").to(cuda), Flags(), device=cuda)
+    G, report = prepared(testdata, "sg2_cond4_64_fp16", Flags(precision=precision), device=cuda)
+    assert report["precision"]["applied"], report
+    assert "native_fp16_blocks" in report["precision"]            # NVlabs fp16 blocks handed to the toggle
+    out = generate(G, Flags(precision=precision), device=cuda)
+    assert psnr(ref, out, 2.0) > min_psnr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gpu_diffusion_pipeline_casts_weights(precision):
+    from tests.optim_tiny import prompt_embeds, tiny_pipeline
+
+    cuda = torch.device("cuda")
+    pipe, report = optim.prepare(tiny_pipeline(), Flags(precision=precision), cuda, kind="diffusion")
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    assert report["precision"]["mode"] == f"weights-{precision}"
+    assert pipe.unet.dtype == want and pipe.vae.dtype == want and pipe.text_encoder.dtype == want
+    ref_pipe, _ = optim.prepare(tiny_pipeline(), Flags(), cuda, kind="diffusion")
+    pe = prompt_embeds(1).to(cuda)
+
+    def run(p, dtype):
+        g = torch.Generator("cpu").manual_seed(0)
+        return p(prompt_embeds=pe.to(dtype), negative_prompt_embeds=torch.zeros_like(pe).to(dtype), num_inference_steps=2,
+                 height=32, width=32, output_type="np", generator=g).images
+    ref, out = run(ref_pipe, torch.float32), run(pipe, want)
+    assert psnr(ref, out, 1.0) > 30
