@@ -55,16 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _request_from_png(path: str, a: argparse.Namespace, flags: OptimizationFlags) -> GenerationRequest:
     meta = read_png_params(path)
-    if meta.get("source") == "a1111":
-        sched = meta.get("sampler", "default")
-        if meta.get("schedule_type") and meta["schedule_type"].lower() not in sched.lower():
-            sched = f"{sched} {meta['schedule_type']}"
-        params = DiffusionParams(prompt=meta.get("prompt", ""), negative_prompt=meta.get("negative_prompt", ""),
-                                 seed=int(meta.get("seed", 0)), steps=int(meta.get("steps", 25)),
-                                 guidance=float(meta.get("cfg_scale", 7.0)), width=int(meta.get("width", 512)),
-                                 height=int(meta.get("height", 512)), scheduler=sched)
-        return GenerationRequest("diffusion", a.model or meta.get("model"), params, flags, a.device)
-    backend = meta.get("backend")
+    backend = "diffusion" if meta.get("source") == "a1111" else meta.get("backend")
     saved_flags = OptimizationFlags.from_dict(meta.get("flags")) if meta.get("flags") else flags
     if backend == "stylegan":
         seeds = meta.get("seeds") or [meta.get("seed", 0)]
@@ -72,7 +63,16 @@ def _request_from_png(path: str, a: argparse.Namespace, flags: OptimizationFlags
                                 truncation_cutoff=meta.get("truncation_cutoff"), noise_mode=meta.get("noise_mode", "const"),
                                 class_index=meta.get("class_index"))
     elif backend == "diffusion":
-        params = DiffusionParams(**{k: meta[k] for k in DiffusionParams.__dataclass_fields__ if k in meta})
+        from pipelines.diffusion import params_from_png
+
+        kw = params_from_png(meta)
+        kw.pop("model_hash", None)
+        model = kw.pop("model", None)
+        if meta.get("seeds"):
+            kw["seed"] = int(meta["seeds"][0])
+            kw["batch_size"] = len(meta["seeds"])
+        params = DiffusionParams(**{k: v for k, v in kw.items() if k in DiffusionParams.__dataclass_fields__})
+        return GenerationRequest("diffusion", a.model or model, params, saved_flags, a.device)
     else:
         raise InputError(f"{path}: unknown backend {backend!r} in its parameters")
     return GenerationRequest(backend, a.model or meta.get("model"), params, saved_flags, a.device)
@@ -146,6 +146,10 @@ def write_outputs(result, out: str, request: GenerationRequest, no_grid: bool = 
 @cli_errors
 def main(argv: list[str], services) -> int:
     a = build_parser().parse_args(argv)
+    if a.backend == "diffusion" or a.from_png:
+        from pipelines.tools import quiet_third_party_output
+
+        quiet_third_party_output()
     flags = flags_from_args(a)
     request = _request_from_png(a.from_png, a, flags) if a.from_png else _request_from_args(a, flags)
     out = a.out

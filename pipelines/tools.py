@@ -20,3 +20,29 @@ def optimization_availability(device: torch.device | str | None = None) -> dict[
     if fn is None:
         return {"precision": (True, "fp32, tf32 (GPU), fp16 (GPU), bf16")}
     return fn(dev)
+
+
+def quiet_third_party_output() -> None:
+    """Silence diffusers'/transformers' own loading bars and advisory logs: the CLI and UI show
+    their own progress, and the CLI's error convention is one line on stderr."""
+    import logging
+    import os
+
+    import warnings
+
+    # Import-time chatter (torchao's optional kernels, pytree deprecations) must not reach stderr
+    # before our own one-line messages; set the levels before those libraries are imported.
+    for noisy in ("torchao", "torch.utils._pytree", "diffusers", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="torchao")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    for name in ("diffusers", "transformers"):
+        try:
+            mod = __import__(f"{name}.utils.logging", fromlist=["logging"])
+            mod.disable_progress_bar()
+            mod.set_verbosity_error()
+        except Exception:  # the library is optional (e.g. StyleGAN-only installs)
+            logging.getLogger(name).setLevel(logging.ERROR)
