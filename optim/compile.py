@@ -174,7 +174,7 @@ class _BucketedCall:
             if pad:
                 ws = torch.cat([ws, ws[-1:].expand(pad, *ws.shape[1:])])
             call_args: tuple = (ws, *args)
-        else:
+        else:                          # a UNet, or any module whose first input is the batch
             sample = args[0] if args else kwargs.get("sample")
             key = unet_key(sample)
             call_args = args

@@ -40,7 +40,8 @@ def tiny_text_encoder(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = CLIPTextConfig(vocab_size=1000, hidden_size=CROSS_DIM, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, projection_dim=CROSS_DIM)
+                         num_attention_heads=4, max_position_embeddings=77, projection_dim=CROSS_DIM,
+                         bos_token_id=998, eos_token_id=999, pad_token_id=999)
     return CLIPTextModel(cfg).eval().requires_grad_(False)
 
 
@@ -49,7 +50,8 @@ def tiny_pipeline(seed: int = 0):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline(vae=tiny_vae(seed), text_encoder=tiny_text_encoder(seed), tokenizer=None,
-                                   unet=tiny_unet(seed), scheduler=DDIMScheduler(), safety_checker=None,
+                                   unet=tiny_unet(seed),
+                                   scheduler=DDIMScheduler(steps_offset=1, clip_sample=False), safety_checker=None,
                                    feature_extractor=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
