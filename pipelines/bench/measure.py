@@ -1,0 +1,280 @@
+"""Measuring tools for the benchmark: device timers, the two matrix rates, FLOP counts,
+per-stage clocks for a plain diffusers pipeline, and a kernel profile of one call.
+
+Timing follows the workplace method: device events around the region (or a host clock
+after a synchronize when the region includes host work), warm-up first, the median of
+many calls, inputs rotated among several random sets.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Host-clock milliseconds of `fn` with the device drained before and after (for regions with host work)."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def device_times_ms(fn: Callable[[Any], Any], inputs: list, device: torch.device) -> tuple[list[float], Any]:
+    """Milliseconds of each `fn(x)` for x in `inputs`, timed with CUDA events without a sync between calls
+    (host clock per call on the CPU). Returns (times, last output)."""
+    out = None
+    if device.type != "cuda":
+        times = []
+        for x in inputs:
+            t0 = time.perf_counter()
+            out = fn(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times, out
+    events = []
+    for x in inputs:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn(x)
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize(device)
+    return [a.elapsed_time(b) for a, b in events], out
+
+
+def median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def spread_pct(values: list[float]) -> float | None:
+    """(max - min) / median in percent: a difference between configurations smaller than this is noise."""
+    if len(values) < 2:
+        return None
+    m = statistics.median(values)
+    return float((max(values) - min(values)) / m * 100) if m > 0 else None
+
+
+# -- the two ceilings -----------------------------------------------------------------------------------
+
+def matrix_rates(device: torch.device, size: int | None = None, repeats: int = 20, warmup: int = 5) -> dict:
+    """Measured bf16 matrix-product rate and FP8 (`torch._scaled_mm`, e4m3, per-tensor scales, bf16 out) rate
+    in TFLOP/s, on `size`³ products (8192 on a GPU, 512 on a CPU, where the numbers only feed the same
+    arithmetic). Three input pairs are rotated so no product runs out of a warm cache."""
+    n = int(size or (8192 if device.type == "cuda" else 512))
+    flops = 2.0 * n ** 3
+    g = torch.Generator("cpu").manual_seed(1234)
+    out: dict[str, Any] = {"size": n, "device": str(device)}
+
+    def rate(fn, pairs) -> float:
+        seq = [pairs[i % len(pairs)] for i in range(warmup)]
+        device_times_ms(fn, seq, device)
+        times, _ = device_times_ms(fn, [pairs[i % len(pairs)] for i in range(repeats)], device)
+        return flops / (statistics.median(times) * 1e-3) / 1e12
+
+    pairs = [(torch.randn(n, n, generator=g).to(device, torch.bfloat16),
+              torch.randn(n, n, generator=g).to(device, torch.bfloat16)) for _ in range(3)]
+    out["bf16_tflops"] = rate(lambda ab: torch.mm(ab[0], ab[1]), pairs)
+    del pairs
+    try:
+        f8 = torch.float8_e4m3fn
+        scale = torch.tensor(1.0, device=device)
+        # _scaled_mm wants the second operand column-major: the transpose of a row-major matrix.
+        pairs8 = [((torch.randn(n, n, generator=g) * 0.5).to(device).to(f8),
+                   (torch.randn(n, n, generator=g) * 0.5).to(device).to(f8).t()) for _ in range(3)]
+        out["fp8_tflops"] = rate(lambda ab: torch._scaled_mm(ab[0], ab[1], scale_a=scale, scale_b=scale,
+                                                              out_dtype=torch.bfloat16), pairs8)
+        del pairs8
+    except (RuntimeError, AttributeError, TypeError, NotImplementedError) as exc:
+        out["fp8_tflops"] = None
+        out["fp8_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# -- FLOPs ----------------------------------------------------------------------------------------------
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of one call as torch's flop counter sees them (matmuls, convolutions, attention)."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def _detached_clone(x):
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+class CallCapture:
+    """Counts the calls of some modules during one real run and keeps each one's first inputs, so the
+    FLOPs of the run can be counted afterwards by replaying one call per module under the flop counter
+    (exact for the pipeline as it ran: CFG batch, the scheduler's real number of UNet calls)."""
+
+    def __init__(self, modules: dict[str, list[torch.nn.Module]]):
+        self.modules = {k: [m for m in v if m is not None] for k, v in modules.items()}
+        self.calls: dict[str, int] = {}
+        self.first: dict[str, tuple] = {}
+        self._handles = []
+        for stage, mods in self.modules.items():
+            for i, m in enumerate(mods):
+                key = f"{stage}.{i}"
+                self.calls[key] = 0
+                self._handles.append(m.register_forward_pre_hook(self._hook(key), with_kwargs=True))
+
+    def _hook(self, key: str):
+        def pre(module, args, kwargs):
+            self.calls[key] += 1
+            if key not in self.first:
+                self.first[key] = (module, tree_map(_detached_clone, args), tree_map(_detached_clone, kwargs))
+        return pre
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def flops(self) -> dict[str, dict]:
+        """stage -> {'calls': n, 'flops': total for the run}; modules replayed once each."""
+        self.remove()
+        out: dict[str, dict] = {}
+        for key, n in self.calls.items():
+            stage = key.rsplit(".", 1)[0]
+            entry = out.setdefault(stage, {"calls": 0, "flops": 0})
+            if n == 0:
+                continue
+            module, args, kwargs = self.first[key]
+            per_call = count_flops(lambda: module(*args, **kwargs))
+            entry["calls"] = max(entry["calls"], n)
+            entry["flops"] += per_call * n
+        self.first.clear()
+        return out
+
+
+# -- stage clock for a stock diffusers pipeline -------------------------------------------------------------
+
+class StageClock:
+    """Per-stage time of one pipeline call, from forward hooks: a stage runs from the first entry into
+    any of its modules to the last exit. Events are recorded without syncs, so the clock costs nothing."""
+
+    def __init__(self, stages: dict[str, list[torch.nn.Module]], device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._start: dict[str, Any] = {}
+        self._end: dict[str, Any] = {}
+        self._handles = []
+        for name, mods in stages.items():
+            for m in mods:
+                if m is None:
+                    continue
+                self._handles.append(m.register_forward_pre_hook(self._pre(name)))
+                self._handles.append(m.register_forward_hook(self._post(name)))
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _pre(self, name):
+        def hook(module, args):
+            if name not in self._start:
+                self._start[name] = self._mark()
+        return hook
+
+    def _post(self, name):
+        def hook(module, args, output):
+            self._end[name] = self._mark()
+        return hook
+
+    def begin(self) -> None:
+        self._start.clear()
+        self._end.clear()
+
+    def end(self) -> dict[str, float]:
+        sync(self.device)
+        out = {}
+        for name, a in self._start.items():
+            b = self._end.get(name)
+            if b is None:
+                continue
+            out[name] = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+# -- profile ------------------------------------------------------------------------------------------------
+
+# Heuristic, first match wins; the report shows the kernel names themselves next to the classes.
+_KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("matmul", ("triton_tem", "triton_mm")),                     # inductor's matmul templates
+    ("elementwise (fused)", ("triton_poi",)),
+    ("normalization/reduction", ("triton_red", "triton_per")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "addmm", "sm90", "scaled_mm", "cublas")),
+    ("convolution", ("conv", "implicit", "winograd", "cudnn", "dgrad", "wgrad", "fprop")),
+    ("normalization/reduction", ("norm", "reduce", "welford", "mean", "sum")),
+    ("copy/layout", ("copy", "memcpy", "memset", "transpose", "permute", "cat", "nchw", "nhwc")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "silu", "gelu", "mul", "add")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in _KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 10) -> dict:
+    """Which kernels one call spends its device time in, and how busy the device was (device time / wall
+    time: far below 1 means launch-bound, the case CUDA graphs fix)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+    events = list(prof.key_averages())
+    if device.type == "cuda":
+        kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+        if not kernels:
+            kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+        key = lambda e: float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
+    else:
+        # On a CPU there are no kernels: the leaf operators' own time is the closest thing.
+        kernels = [e for e in events if e.key.startswith("aten::")]
+        key = lambda e: float(e.self_cpu_time_total)
+    total_us = sum(key(e) for e in kernels)
+    classes: dict[str, float] = {}
+    for e in kernels:
+        classes[kernel_class(e.key)] = classes.get(kernel_class(e.key), 0.0) + key(e) / 1e3
+    ranked = sorted(kernels, key=key, reverse=True)[:top]
+    return {
+        "wall_ms": wall,
+        "device_busy_ms": total_us / 1e3,
+        "busy_fraction": (total_us / 1e3) / wall if wall > 0 else None,
+        "kernel_launches": int(sum(e.count for e in kernels)),
+        "by_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "top": [{"name": e.key[:160], "class": kernel_class(e.key), "ms": key(e) / 1e3, "calls": int(e.count),
+                 "pct": (100.0 * key(e) / total_us) if total_us else None} for e in ranked],
+    }
