@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "convert": "convert an NVlabs StyleGAN pickle to safetensors + JSON",
     "train": "train a StyleGAN on a folder or zip of images",
     "bench": "benchmark the optimization toggles",
+    "eval": "quality metrics: FID, KID, IS, LPIPS (diversity and paired drift)",
     "serve": "start the studio UI (same as no subcommand)",
 }
 
@@ -73,5 +74,8 @@ def dispatch(argv: list[str], services) -> int:
     if cmd == "bench":
         from cli.bench import main as bench_main
         return bench_main(rest, services)
+    if cmd == "eval":
+        from cli.eval import main as eval_main
+        return eval_main(rest, services)
     print(f"error: unknown subcommand {cmd!r}\n{usage()}", file=sys.stderr)
     return 2

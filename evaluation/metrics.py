@@ -25,14 +25,14 @@ import torch
 from core.errors import InputError
 from evaluation.inception import POOL_DIM, InceptionFeatures
 from evaluation.lpips import LPIPS, lpips_diversity, lpips_paired
-from evaluation.scores import (MeanStd, feature_stats, fid_from_features, fid_from_stats, inception_score,
-                               kid_from_features)
+from evaluation.scores import (MeanStd, feature_stats, fid_from_features, fid_from_stats,
+                               fid_from_stats_and_features, inception_score, kid_from_features)
 from evaluation.sources import (ArraySource, FolderSource, GeneratorSource, ImageSource, is_stats_file,
                                 open_source)
 
 __all__ = [
     "InceptionFeatures", "LPIPS", "MeanStd", "FeatureStats", "compute_metrics", "real_statistics",
-    "fid_from_features", "fid_from_stats", "feature_stats", "kid_from_features", "inception_score",
+    "fid_from_features", "fid_from_stats", "fid_from_stats_and_features", "feature_stats", "kid_from_features", "inception_score",
     "lpips_diversity", "lpips_paired", "open_source", "parse_metrics", "METRICS",
 ]
 
@@ -249,8 +249,7 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
         if real_stats.features is not None:
             result["fid"] = fid_from_features(real_stats.features, pool, method=fid_method)
         else:
-            mu, sigma = feature_stats(pool)
-            result["fid"] = fid_from_stats(real_stats.mu, real_stats.sigma, mu, sigma, method=fid_method)
+            result["fid"] = fid_from_stats_and_features(real_stats.mu, real_stats.sigma, pool, method=fid_method)
         timings["fid"] = time.perf_counter() - t
         if min(real_stats.n, len(fake)) < SMALL_N:
             notes.append(f"FID from {min(real_stats.n, len(fake))} images is biased upwards and only comparable with "

@@ -39,29 +39,36 @@ def feature_stats(features) -> tuple[np.ndarray, np.ndarray]:
     return f.mean(axis=0), np.cov(f, rowvar=False)
 
 
-def _psd_factor(sigma: np.ndarray) -> np.ndarray:
-    """F with F F^T = sigma: Cholesky when sigma is positive definite (cheap), else V sqrt(max(W, 0))."""
-    try:
-        return np.linalg.cholesky(sigma)
-    except np.linalg.LinAlgError:
-        w, v = np.linalg.eigh(sigma)
-        return v * np.sqrt(np.clip(w, 0, None))
-
-
 def _data_factor(features: np.ndarray) -> np.ndarray:
     """F [D, N] with F F^T = the unbiased covariance of features [N, D]: the centred data itself."""
     centred = features - features.mean(axis=0)
     return centred.T / np.sqrt(features.shape[0] - 1)
 
 
-def _trace_sqrt_product(f1: np.ndarray, f2: np.ndarray) -> float:
-    """tr(sqrt(S1 S2)) for S1 = F1 F1^T, S2 = F2 F2^T: the nuclear norm of F1^T F2.
+def _trace_sqrt_from_factor(f: np.ndarray, sigma: np.ndarray) -> float:
+    """tr(sqrt(S_f S)) for S_f = F F^T: the non-zero eigenvalues of F F^T S equal those of the
+    symmetric PSD matrix F^T S F, so tr sqrt = sum of sqrt of its eigenvalues (k x k for F [D, k])."""
+    m = f.T @ sigma @ f
+    ev = np.linalg.eigvalsh((m + m.T) / 2)
+    return float(np.sqrt(np.clip(ev, 0, None)).sum())
 
-    The non-zero eigenvalues of S1 S2 = F1 (F1^T F2 F2^T) equal those of (F1^T F2)(F1^T F2)^T,
-    i.e. the squared singular values of F1^T F2; so no matrix square root (and no complex
-    round-off) is needed, and with N < D samples the matrix is only N1 x N2.
-    """
+
+def _trace_sqrt_from_factors(f1: np.ndarray, f2: np.ndarray) -> float:
+    """tr(sqrt(S1 S2)) for S1 = F1 F1^T, S2 = F2 F2^T: the nuclear norm of F1^T F2 (its singular
+    values squared are the eigenvalues of F1^T S2 F1)."""
     return float(np.linalg.svd(f1.T @ f2, compute_uv=False).sum())
+
+
+def _trace_sqrt_from_stats(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
+    """tr(sqrt(S1 S2)) from two covariances: a Cholesky factor of whichever is positive definite,
+    else eigen factors of S1 (singular covariances, e.g. fewer samples than dimensions)."""
+    for a, b in ((sigma1, sigma2), (sigma2, sigma1)):
+        try:
+            return _trace_sqrt_from_factor(np.linalg.cholesky(a), b)
+        except np.linalg.LinAlgError:
+            continue
+    w, v = np.linalg.eigh(sigma1)
+    return _trace_sqrt_from_factor(v * np.sqrt(np.clip(w, 0, None)), sigma2)
 
 
 def _fid(mu1, mu2, tr1: float, tr2: float, tr_covmean: float) -> float:
@@ -86,9 +93,9 @@ def fid_from_stats(mu1, sigma1, mu2, sigma2, eps: float = 1e-6, method: str = "a
     """Fréchet distance between N(mu1, sigma1) and N(mu2, sigma2):
     |mu1 - mu2|^2 + tr(S1) + tr(S2) - 2 tr(sqrt(S1 S2)).
 
-    method="auto": tr(sqrt(S1 S2)) as the nuclear norm of F1^T F2 for factors F F^T = S
-    (Cholesky, or eigen factors for singular covariances): exact for PSD inputs, real, and
-    several times faster than a general matrix square root.
+    method="auto": tr(sqrt(S1 S2)) through a factor F F^T of one covariance, as the sum of
+    square roots of the eigenvalues of the symmetric F^T S_other F: exact for PSD inputs,
+    always real, and several times faster than a general matrix square root.
     method="sqrtm" follows pytorch-fid step by step: scipy's sqrtm of S1 S2; if that is not
     finite (near-singular covariances), retry with eps on both diagonals; drop a negligible
     imaginary part. Where the imaginary part is not negligible pytorch-fid gives up; we fall
@@ -102,7 +109,7 @@ def fid_from_stats(mu1, sigma1, mu2, sigma2, eps: float = 1e-6, method: str = "a
         tr_covmean = _trace_sqrtm_like_pytorch_fid(sigma1, sigma2, eps)
         if tr_covmean is not None:
             return _fid(mu1, mu2, tr1, tr2, tr_covmean)
-    return _fid(mu1, mu2, tr1, tr2, _trace_sqrt_product(_psd_factor(sigma1), _psd_factor(sigma2)))
+    return _fid(mu1, mu2, tr1, tr2, _trace_sqrt_from_stats(sigma1, sigma2))
 
 
 def _trace_sqrtm_like_pytorch_fid(sigma1: np.ndarray, sigma2: np.ndarray, eps: float) -> float | None:
@@ -121,11 +128,26 @@ def _trace_sqrtm_like_pytorch_fid(sigma1: np.ndarray, sigma2: np.ndarray, eps: f
     return float(np.trace(covmean))
 
 
+def fid_from_stats_and_features(mu1, sigma1, features2, method: str = "auto") -> float:
+    """FID between precomputed statistics (e.g. a cached real set) and a feature set [N, D].
+
+    With fewer samples than dimensions the features enter through their centred data, so the
+    work is an N x N eigenproblem instead of a D x D one.
+    """
+    f2 = _as_f64(features2, "features")
+    mu2, s2 = feature_stats(f2)
+    mu1, sigma1, mu2, s2 = _check_stats(mu1, sigma1, mu2, s2)
+    if method != "auto" or f2.shape[0] > f2.shape[1]:
+        return fid_from_stats(mu1, sigma1, mu2, s2, method=method)
+    return _fid(mu1, mu2, float(np.trace(sigma1)), float(np.trace(s2)),
+                _trace_sqrt_from_factor(_data_factor(f2), sigma1))
+
+
 def fid_from_features(a, b, eps: float = 1e-6, method: str = "auto") -> float:
     """FID between two feature sets [N1, D] and [N2, D] (pool3 features for the standard FID).
 
     With method="auto", a set with no more samples than dimensions enters through its centred
-    data (an N x D factor of its covariance), so small evaluations never build a D x D root.
+    data (an N x D factor of its covariance), so small evaluations never solve a D x D problem.
     """
     fa, fb = _as_f64(a, "features a"), _as_f64(b, "features b")
     if fa.shape[1] != fb.shape[1]:
@@ -135,9 +157,16 @@ def fid_from_features(a, b, eps: float = 1e-6, method: str = "auto") -> float:
     if method != "auto":
         return fid_from_stats(mu1, s1, mu2, s2, eps=eps, method=method)
     d = fa.shape[1]
-    f1 = _data_factor(fa) if fa.shape[0] <= d else _psd_factor(s1)
-    f2 = _data_factor(fb) if fb.shape[0] <= d else _psd_factor(s2)
-    return _fid(mu1, mu2, float(np.trace(s1)), float(np.trace(s2)), _trace_sqrt_product(f1, f2))
+    small_a, small_b = fa.shape[0] <= d, fb.shape[0] <= d
+    if small_a and small_b:
+        tr_covmean = _trace_sqrt_from_factors(_data_factor(fa), _data_factor(fb))
+    elif small_a:
+        tr_covmean = _trace_sqrt_from_factor(_data_factor(fa), s2)
+    elif small_b:
+        tr_covmean = _trace_sqrt_from_factor(_data_factor(fb), s1)
+    else:
+        tr_covmean = _trace_sqrt_from_stats(s1, s2)
+    return _fid(mu1, mu2, float(np.trace(s1)), float(np.trace(s2)), tr_covmean)
 
 
 def polynomial_mmd2_unbiased(x, y, degree: int = 3, gamma: float | None = None, coef0: float = 1.0) -> float:

@@ -15,6 +15,8 @@ import functools
 import hashlib
 import os
 import pickle
+import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +116,15 @@ def find_weights(spec: WeightsSpec, path: str | os.PathLike | None = None) -> Pa
     raise _missing(spec, f"{spec.file_names[0]} was not found (looked in {', '.join(str(d) for d in dirs)})")
 
 
+def _is_torchscript(path: Path) -> bool:
+    """A TorchScript zip holds compiled code (`code/`, `constants.pkl`); a state dict holds only `data.pkl` + tensors."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.split("/", 1)[-1].startswith(("code/", "constants.pkl")) for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False           # the legacy (non-zip) torch format cannot hold TorchScript
+
+
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Tensors by name from a .safetensors file or a plain torch state dict; never runs code from the file."""
     path = Path(path)
@@ -124,12 +135,17 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             return dict(load_file(str(path), device="cpu"))
         except Exception as exc:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from None
+    if _is_torchscript(path):
+        raise UnsafeModelError(f"{path}: a TorchScript archive carries code; refusing to load it. "
+                               f"Use the plain state-dict file instead")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f" ({found.group(1)})" if found else ""
         raise UnsafeModelError(
-            f"{path}: refusing to load it: the file needs Python objects beyond plain tensors "
-            f"({str(exc).splitlines()[0][:200]}). Use the published state-dict file or a .safetensors copy") from None
+            f"{path}: refusing to load it: the file needs Python objects beyond plain tensors{what}. "
+            f"Use the published state-dict file or a .safetensors copy") from None
     except RuntimeError as exc:
         msg = str(exc)
         if "TorchScript" in msg or "constants.pkl" in msg:
