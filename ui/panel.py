@@ -71,12 +71,13 @@ def render_memory(r: MemoryReading, snap: JobSnapshot) -> str:
             rows.append(_bar(used / r.device_total, "at-mem"))
         title = "VRAM"
     else:
-        rows = [_kv("process RSS", format_bytes(r.rss))]
+        rows = [_kv("process RSS", format_bytes(r.rss)),
+                '<div class="at-muted at-note">no VRAM on CPU: memory of this process</div>']
         if r.device_total:
             rows.append(_kv("system memory", format_bytes(r.device_total)))
         if snap.last_peak_bytes and snap.state != RUNNING:
             rows.append(_kv("RSS at end of last job", format_bytes(snap.last_peak_bytes)))
-        title = "Memory <span class='at-muted'>(CPU run: process RSS, no VRAM)</span>"
+        title = "Memory <span class='at-muted'>(CPU)</span>"
     return f'<div class="at-sec"><div class="at-h">{title}</div>{"".join(rows)}</div>'
 
 

@@ -51,10 +51,22 @@ OPTIONAL_TOGGLES = ("channels_last", "attention", "compile", "fp8", "prune", "te
 
 def make_theme() -> gr.themes.Base:
     # system fonts: the default themes fetch Google fonts, which offline machines and Spaces proxies stall on
-    return gr.themes.Soft(primary_hue="violet", secondary_hue="indigo", neutral_hue="slate", radius_size="md",
-                          spacing_size="sm", text_size="sm",
-                          font=["Inter", "ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "sans-serif"],
-                          font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+    theme = gr.themes.Soft(primary_hue="violet", secondary_hue="indigo", neutral_hue="slate", radius_size="md",
+                           spacing_size="sm", text_size="sm",
+                           font=["Inter", "ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "sans-serif"],
+                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+    # quiet labels (plain text, not coloured pills): the images should be the loudest thing on the page
+    return theme.set(block_title_background_fill="none", block_title_text_color="*neutral_600",
+                     block_title_text_color_dark="*neutral_300", block_title_padding="0",
+                     block_label_background_fill="none", block_label_text_color="*neutral_500",
+                     block_label_text_color_dark="*neutral_400", block_title_text_weight="600",
+                     # Stop: a red outline that fills on hover (present, but quieter than Generate)
+                     button_cancel_background_fill="white", button_cancel_text_color="#dc2626",
+                     button_cancel_border_color="#fca5a5", button_cancel_background_fill_hover="#dc2626",
+                     button_cancel_text_color_hover="white", button_cancel_border_color_hover="#dc2626",
+                     button_cancel_background_fill_dark="*neutral_800", button_cancel_text_color_dark="#f87171",
+                     button_cancel_border_color_dark="#7f1d1d", button_cancel_background_fill_hover_dark="#b91c1c",
+                     button_cancel_text_color_hover_dark="white")
 
 
 def load_css() -> str:
@@ -74,6 +86,7 @@ def _model_choices(services: Services, backend: str) -> tuple[list[tuple[str, st
         note = str(exc)
         if choices and backend == "diffusion":   # only hub entries: pick one, it downloads on first use
             default = choices[0][1]
+            note = "No local diffusion model yet: a hub model downloads on first use (several GB), or add a path below."
     return choices, default, note
 
 
@@ -143,7 +156,7 @@ def build_app(services: Services) -> gr.Blocks:
         # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
         session = gr.State(new_session, delete_callback=lambda s: s.cancel())
         with gr.Row(elem_id="at-header", equal_height=True):
-            gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo", scale=1, min_width=150)
+            gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo", scale=0, min_width=210)
             C["backend"] = gr.Radio([("StyleGAN", "stylegan"), ("Diffusion", "diffusion")], value="stylegan",
                                     label="Backend", elem_id="backend-select", scale=2, min_width=230)
             C["model"] = gr.Dropdown(sg_choices, value=sg_default, label="Model", allow_custom_value=True,
@@ -208,7 +221,7 @@ def build_app(services: Services) -> gr.Blocks:
                                                      allow_custom_value=True, elem_id="scheduler-select")
                     with gr.Row():
                         C["batch_size"] = gr.Slider(1, 8, value=1, step=1, label="Batch", elem_id="df-batch")
-                        C["preview_every"] = gr.Slider(0, 10, value=5, step=1, label="Preview every N steps (0 = off)",
+                        C["preview_every"] = gr.Slider(0, 10, value=5, step=1, label="Preview every", info="steps; 0 = off",
                                                        elem_id="preview-every")
                     with gr.Accordion("Image to image", open=False, elem_id="img2img"):
                         C["init_image"] = gr.Image(type="filepath", label="Start image", sources=["upload", "clipboard"],
@@ -223,9 +236,10 @@ def build_app(services: Services) -> gr.Blocks:
                                               elem_id="precision-select", info=why or None, interactive=ok)
                     _toggle_controls(C, avail)
 
-                with gr.Accordion("Add a model (file path or Hugging Face id)", open=False, elem_id="add-model"):
+                with gr.Accordion("Add a model", open=False, elem_id="add-model"):
                     with gr.Row():
-                        add_ref = gr.Textbox(show_label=False, placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
+                        add_ref = gr.Textbox(label="File path or Hugging Face id",
+                                             placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
                                              elem_id="add-model-input", scale=5)
                         add_btn = gr.Button("Add", elem_id="add-model-btn", scale=1, min_width=70)
                     add_status = gr.Markdown("", elem_id="add-model-status")
