@@ -236,7 +236,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}; got {cfg.precision!r}")
     need(cfg.aug in AUG_MODES, f"--aug must be one of {', '.join(AUG_MODES)}; got {cfg.aug!r}")
     need(cfg.aug_pipe in AUG_PIPES, f"--aug-pipe must be one of {', '.join(AUG_PIPES)}; got {cfg.aug_pipe!r}")
-    need(cfg.data_device in ("auto", "gpu", "host"), f"data_device must be auto, gpu or host; got {cfg.data_device!r}")
+    need(cfg.data_device in ("auto", "gpu", "host", "host-plain"),
+         f"data_device must be auto, gpu or host; got {cfg.data_device!r}")
     need(cfg.arch in ("stylegan2", "stylegan3"), f"arch must be stylegan2 or stylegan3; got {cfg.arch!r}")
     need(cfg.kimg > 0, f"--kimg must be positive; got {cfg.kimg}")
     need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")

@@ -103,8 +103,14 @@ def wrap(module: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import warnings
+
     ids = [info.device.index] if info.device.type == "cuda" else None
-    return DDP(module, device_ids=ids, broadcast_buffers=False, find_unused_parameters=False)
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates broadcast_buffers in favour of forward_sync_buffers, whose False still
+        # syncs at init; rank-local buffers want exactly broadcast_buffers=False, as its own warning says.
+        warnings.simplefilter("ignore", FutureWarning)
+        return DDP(module, device_ids=ids, broadcast_buffers=False, find_unused_parameters=False)
 
 
 def no_sync(module: torch.nn.Module):

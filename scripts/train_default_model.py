@@ -1,0 +1,90 @@
+"""Train (a piece of) the bundled emoji model, resumably, inside a wall-clock budget.
+
+    python3 scripts/train_default_model.py --out runs/emoji64 --minutes 8.5            # first piece
+    python3 scripts/train_default_model.py --out runs/emoji64 --minutes 8.5 --resume   # every later piece
+    python3 scripts/train_default_model.py --bench 30                                  # fp32 eager vs fast, img/s
+    torchrun --standalone --nproc_per_node 2 scripts/train_default_model.py --bench 30 --bench-configs channels-last
+    python3 scripts/train_default_model.py --export runs/emoji64                       # -> assets/models/emoji64.*
+
+It is `python app.py train --preset emoji64 ...` without the app: it needs only torch,
+numpy, safetensors and Pillow (no gradio, no fonttools), and reads the dataset bundled
+at assets/datasets/emoji64.npy.xz (rebuild it with scripts/build_emoji_dataset.py).
+--minutes is the budget of the whole process: training stops at a log point with
+--reserve-seconds (45 s) left for the checkpoint and the sample grid. The run folder
+holds exactly 8 files (G, G_ema, D, opt_G, opt_D safetensors, state.json, log.jsonl,
+samples.png), each under 15 MiB; carry the folder into the next piece and pass --resume.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+T_START = time.time()
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/emoji64")
+    ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget of this process")
+    ap.add_argument("--kimg", type=float, default=None, help="stop at this total kimg (default: preset, 25000)")
+    ap.add_argument("--resume", nargs="?", const="", default=None,
+                    help="continue from this run folder (no value: from --out)")
+    ap.add_argument("--bench", type=float, default=None, metavar="SECONDS")
+    ap.add_argument("--bench-configs", default=None, help="comma-separated subset of the bench ladder")
+    ap.add_argument("--bench-compile", action="store_true")
+    ap.add_argument("--export", nargs="?", const="", default=None, metavar="RUN",
+                    help="export RUN (default --out) to assets/models/emoji64.* and docs/images/emoji64_grid.png")
+    ap.add_argument("--to", default=str(ROOT / "assets" / "models" / "emoji64"))
+    ap.add_argument("--grid", default=str(ROOT / "docs" / "images" / "emoji64_grid.png"))
+    args, rest = ap.parse_known_args(argv)
+
+    from core.errors import AtelierError
+
+    try:
+        if args.export is not None:
+            from training.export import export_run
+
+            paths = export_run(args.export or args.out, args.to, grid_path=args.grid)
+            print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
+            return 0
+        if args.bench:
+            from training.bench import run_bench
+            from training.cli import build_parser, config_from_args
+
+            ns = build_parser().parse_args(["--preset", "emoji64", "--out", args.out, *rest])
+            cfg = config_from_args(ns)
+            configs = args.bench_configs.split(",") if args.bench_configs else None
+            report = run_bench(cfg, seconds=args.bench, with_compile=args.bench_compile, configs=configs)
+            text = json.dumps(report, indent=1)
+            print(text)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            suffix = f"-{report['world_size']}gpu"
+            (Path(args.out) / f"bench{suffix}.json").write_text(text + "\n")
+            return 0
+        from training.cli import build_parser, config_from_args
+        from training.trainer import train
+
+        ns = build_parser().parse_args(["--preset", "emoji64", "--out", args.out, *rest])
+        if args.minutes is not None:
+            ns.minutes = args.minutes
+        if args.kimg is not None:
+            ns.kimg = args.kimg
+        cfg = config_from_args(ns)
+        resume = None
+        if args.resume is not None:
+            resume = args.resume or args.out
+        summary = train(cfg, resume=resume, t_start=T_START)
+        print(json.dumps(summary))
+        return 0
+    except AtelierError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Export a training run's G_ema for the studio: fp16 safetensors + JSON, model card, sample grid.
+
+    python app.py train --export runs/emoji64 --to assets/models/emoji64
+
+writes assets/models/emoji64.safetensors + .json (via models.stylegan.save_generator,
+so the StyleGAN backend loads it directly), assets/models/emoji64.md (the model card)
+and, with `grid_path`, an 8x8 grid of seeds 0-63 at psi = 0.7 rendered from the
+exported fp16 weights with the same seed -> z rule as `app.py generate`
+(np.random.RandomState(seed).randn(z_dim)).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.errors import InputError
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.dataset import image_grid, read_dataset_meta, to_uint8_hwc
+
+MAX_SHIPPED_BYTES = 16 * 2**20
+
+
+def _load_g_ema(run: Path) -> tuple[torch.nn.Module, dict]:
+    from models.stylegan2 import load_state_strict
+    from training.trainer import build_networks
+
+    doc, tensors = ckpt.load_checkpoint(run)
+    cfg = TrainConfig.from_dict(doc["config"])
+    G, _ = build_networks(cfg)
+    load_state_strict(G, tensors["G_ema"], "G_ema of the checkpoint")
+    return G.eval().requires_grad_(False), doc
+
+
+@torch.no_grad()
+def render_seeds(G: torch.nn.Module, seeds: list[int], psi: float = 0.7, batch: int = 16) -> np.ndarray:
+    """uint8 [N, R, R, 3] for `seeds`, z = RandomState(seed).randn(z_dim) as the studio does."""
+    out = []
+    for i in range(0, len(seeds), batch):
+        z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in seeds[i:i + batch]])
+        img = G(torch.from_numpy(z).float(), None, truncation_psi=psi, noise_mode="const")
+        out.append(to_uint8_hwc(img))
+    return np.concatenate(out)
+
+
+def _monitor_summary(doc: dict) -> dict[str, Any]:
+    hist = (doc.get("monitor") or {}).get("history") or []
+    if not hist:
+        return {}
+    last = hist[-1]
+    return {"kimg": last["kimg"], "diversity_vs_data": last["diversity"], "duplicate_rate": last["duplicate_rate"],
+            "d_acc": last["d_acc"], "warnings_total": sum(len(h["warnings"]) for h in hist),
+            "countermeasures": (doc.get("monitor") or {}).get("applied", [])}
+
+
+def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | Path | None = None,
+               psi: float = 0.7, description: str | None = None) -> dict[str, Path]:
+    """Write the fp16 generator, its JSON, the model card and (optionally) the seeds 0-63 grid."""
+    from models.stylegan import load_generator, save_generator
+
+    run = Path(run)
+    G, doc = _load_g_ema(run)
+    cfg = TrainConfig.from_dict(doc["config"])
+    to = Path(to) if to is not None else Path("assets") / "models" / cfg.preset
+    data_meta = read_dataset_meta(cfg.data) if cfg.data else {}
+    license_info = data_meta.get("license", {})
+    meta = {
+        "description": description or f"StyleGAN2 trained by Atelier on {cfg.data} ({doc['dataset']['count']} images, "
+                                      f"{cfg.resolution}px), {doc['kimg']:.0f} kimg",
+        "license": license_info.get("images", "same as the training images"),
+        "training": {"kimg": doc["kimg"], "train_seconds": round(doc.get("train_seconds", 0.0), 1),
+                     "pieces": doc.get("pieces"), "batch": cfg.batch, "loss": cfg.loss,
+                     "r1_gamma": cfg.r1_gamma_value(), "aug_p": doc.get("aug_p"), "preset": cfg.preset,
+                     "device": doc.get("env", {}).get("device"), "params_G": doc.get("params", {}).get("G")},
+        "monitor": _monitor_summary(doc),
+        "recommended_truncation": psi,
+    }
+    weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
+    size = weights.stat().st_size
+    if size > MAX_SHIPPED_BYTES:
+        raise InputError(f"the exported generator is {size / 2**20:.1f} MiB, over the 16 MiB budget for bundled "
+                         "models; train a smaller network (channel_base / channel_max)")
+    paths = {"weights": weights, "config": weights.with_suffix(".json")}
+
+    # Render from the file just written, as the studio will.
+    loaded = load_generator(weights, device="cpu")
+    Gl = loaded.G
+    if grid_path is not None:
+        from PIL import Image
+
+        imgs = render_seeds(Gl, list(range(64)), psi=psi)
+        grid_path = Path(grid_path)
+        grid_path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image_grid(imgs, 8)).save(grid_path)
+        paths["grid"] = grid_path
+    card = to.with_suffix(".md")
+    card.write_text(model_card(cfg, doc, meta, data_meta, size, grid_path))
+    paths["card"] = card
+    return paths
+
+
+def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: int, grid_path) -> str:
+    t = meta["training"]
+    mon = meta["monitor"]
+    lic = data_meta.get("license", {})
+    hours = (t["train_seconds"] or 0) / 3600
+    lines = [
+        f"# {Path(str(cfg.out)).name or cfg.preset}: StyleGAN2 generator ({cfg.resolution}x{cfg.resolution})",
+        "",
+        meta["description"] + ".",
+        "",
+        "## Data",
+        "",
+        f"- Source: `{cfg.data}` ({doc['dataset']['count']} images, {cfg.resolution}x{cfg.resolution}"
+        + (", x-flips added" if cfg.mirror else "") + ").",
+    ]
+    if data_meta:
+        lines += [f"- Built by `scripts/build_emoji_dataset.py` from {data_meta.get('source', '')}; background "
+                  f"{data_meta.get('background', '?')}; dropped glyphs: {data_meta.get('stats', {})}."]
+    lines += [
+        "",
+        "## License",
+        "",
+        f"- Weights: {meta['license']} (a derivative of the training images)." if lic else
+        "- Weights: follow the license of the training images.",
+    ]
+    if lic:
+        lines += ["", "```", lic.get("text", ""), "```"]
+    lines += [
+        "",
+        "## Training",
+        "",
+        f"- {t['kimg']:.0f} kimg (thousand real images shown to D), {hours:.2f} h of training "
+        f"in {t['pieces']} piece(s) on {t['device']}.",
+        f"- Batch {cfg.batch}, loss {cfg.loss} (R1 gamma {t['r1_gamma']:g}), Adam lr {cfg.lr_g:g}, "
+        f"EMA {cfg.ema_kimg_value():g} kimg, ADA ({cfg.aug_pipe}) final p = {t['aug_p'] if t['aug_p'] is not None else 0:.3f}, "
+        f"precision {cfg.precision}.",
+        f"- Generator: {t['params_G'] / 1e6:.2f} M parameters; shipped as fp16 safetensors, {size / 2**20:.1f} MiB.",
+        f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`.",
+        "",
+        "## Mode-collapse monitor (last evaluation)",
+        "",
+    ]
+    if mon:
+        lines += [
+            f"- kimg {mon['kimg']}: diversity {mon['diversity_vs_data']:.2f} of the data's (mean pairwise "
+            f"distance in a fixed random-projection space), near-duplicate rate {mon['duplicate_rate']:.1%}, "
+            f"D accuracy {mon['d_acc']:.1%}." if mon.get("d_acc") is not None else
+            f"- kimg {mon['kimg']}: diversity {mon['diversity_vs_data']:.2f}, near-duplicate rate "
+            f"{mon['duplicate_rate']:.1%}.",
+            f"- Warnings over the whole run: {mon['warnings_total']}; counter-measures applied: "
+            f"{', '.join(a['detail'] for a in mon['countermeasures']) or 'none'}.",
+        ]
+    else:
+        lines += ["- (monitor was off)"]
+    if grid_path is not None:
+        lines += ["", "## Samples", "", f"Seeds 0-63, truncation psi = {meta['recommended_truncation']}: "
+                  f"`{grid_path}`", "",
+                  f"    python app.py generate --backend stylegan --seeds 0-63 --truncation "
+                  f"{meta['recommended_truncation']} --out grid.png"]
+    return "\n".join(lines) + "\n"
