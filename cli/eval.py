@@ -115,10 +115,11 @@ def main(argv: list[str], services=None) -> int:
         from evaluation.inception import InceptionFeatures
 
         inception = InceptionFeatures(a.inception_weights, device=a.device, batch_size=a.batch_size, progress=progress)
-        stats, _ = real_statistics(real, inception, cache_dir, need_features=True, batch_size=a.batch_size,
-                                   progress=progress, num=a.num_real)
-        stats.save(a.save_real_stats, with_features=stats.features is not None)
-        real = stats if {"fid", "kid"} & set(names) and "lpips_paired" not in names else a.real
+        stats, _ = real_statistics(real, inception, cache_dir, batch_size=a.batch_size, progress=progress,
+                                   num=a.num_real)
+        stats.save(a.save_real_stats)
+        if "lpips_paired" not in names:
+            real = stats                    # the metrics below reuse them instead of reading the images again
 
     result = compute_metrics(
         real, fake, names, num=a.num, num_real=a.num_real if not isinstance(real, FeatureStats) else None,

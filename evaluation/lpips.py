@@ -109,10 +109,9 @@ class LPIPS(nn.Module):
         if load:
             self.load_weights(lpips_weights, backbone_weights)
         self.eval().requires_grad_(False)
-        if device is not None:
-            from core.device import pick_device
+        from core.device import pick_device
 
-            self.to(pick_device(str(device)))
+        self.to(pick_device(str(device) if device is not None else None))   # default: the best device, as Inception
 
     @property
     def lins(self) -> list[nn.Conv2d]:

@@ -211,16 +211,21 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
     result: dict = {}
 
     fake = _limit(open_source(fake_source, num=num, value_range=value_range, what="fake images"), num, "fake")
-    if isinstance(fake, GeneratorSource) and {"lpips", "lpips_paired"} & set(names):
-        t = time.perf_counter()
-        fake = fake.materialize(batch_size)              # the same samples for every metric, readable in any order
-        timings["generate"] = time.perf_counter() - t
 
-    inc = None
+    # networks first: missing weights should fail before minutes of sampling or reading
+    inc = lp = None
     if _NEEDS_INCEPTION & set(names):
         t = time.perf_counter()
         inc = inception or InceptionFeatures(inception_weights, device=device, batch_size=batch_size, progress=progress)
         timings["load_inception"] = time.perf_counter() - t
+    if {"lpips", "lpips_paired"} & set(names):
+        t = time.perf_counter()
+        lp = lpips or LPIPS(lpips_weights, lpips_backbone, net=lpips_net, device=device or (inc.device if inc else None))
+        timings["load_lpips"] = time.perf_counter() - t
+        if isinstance(fake, GeneratorSource):
+            t = time.perf_counter()
+            fake = fake.materialize(batch_size)          # the same samples for every metric, readable in any order
+            timings["generate"] = time.perf_counter() - t
 
     real_stats = None
     if {"fid", "kid"} & set(names):
@@ -234,6 +239,9 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
         if real_stats.mu.shape[0] != POOL_DIM:
             raise InputError(f"the real statistics are {real_stats.mu.shape[0]}-d; the FID Inception gives {POOL_DIM}-d")
         result["n_real"] = real_stats.n
+        if "kid" in names and real_stats.features is None:
+            raise InputError("KID needs the real set's features, and the statistics given hold only mu and sigma; "
+                             "pass the real images (or a stats file saved with features)")
 
     pool = logits = None
     if inc is not None:
@@ -255,9 +263,6 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
             notes.append(f"FID from {min(real_stats.n, len(fake))} images is biased upwards and only comparable with "
                          f"FIDs from the same number of images (papers use 50,000 generated images)")
     if "kid" in names:
-        if real_stats.features is None:
-            raise InputError("KID needs the real set's features, and the statistics given hold only mu and sigma; "
-                             "pass the real images (or a stats file saved with features)")
         t = time.perf_counter()
         size = min(int(kid_subset_size), real_stats.n, len(fake))
         if size < int(kid_subset_size):
@@ -277,10 +282,7 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
         settings["is_splits"] = splits
         timings["is"] = time.perf_counter() - t
 
-    if {"lpips", "lpips_paired"} & set(names):
-        t = time.perf_counter()
-        lp = lpips or LPIPS(lpips_weights, lpips_backbone, net=lpips_net, device=device or (inc.device if inc else None))
-        timings["load_lpips"] = time.perf_counter() - t
+    if lp is not None:
         settings["lpips_net"] = lp.net_name
         if "lpips" in names:
             t = time.perf_counter()
@@ -302,7 +304,7 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
     result["settings"] = settings
     result["device"] = str(inc.device if inc is not None else (lp.shift.device))
     result["weights"] = {**({"inception": str(inc.weights_path)} if inc is not None else {}),
-                         **(lp.weights_paths if {"lpips", "lpips_paired"} & set(names) else {})}
+                         **(lp.weights_paths if lp is not None else {})}
     timings["total"] = time.perf_counter() - t_start
     result["timings_s"] = {k: round(v, 4) for k, v in timings.items()}
     result["notes"] = notes

@@ -195,7 +195,9 @@ class GeneratorSource(ImageSource):
         done = 0
         while done < self.num:
             want = min(batch_size, self.num - done)
-            out = to_uint8_nchw(self.sample(want), self.value_range, self.name)[:want]
+            with torch.no_grad():                        # a generator under evaluation needs no graph
+                images = self.sample(want)
+            out = to_uint8_nchw(images, self.value_range, self.name)[:want]
             if out.shape[0] == 0:
                 raise InputError(f"{self.name}: the sampler returned no images")
             done += out.shape[0]

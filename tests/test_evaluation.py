@@ -291,7 +291,7 @@ def test_missing_weights_name_the_file_the_url_and_the_ways_to_point_at_it(tmp_p
     with pytest.raises(OptionalDependencyError) as e:
         LPIPS(net="alex")
     assert "alexnet-owt-7be5be79.pth" in str(e.value) and "--lpips-backbone" in str(e.value)
-    torch.save(LPIPS(load=False).features.state_dict(), empty / "alexnet-owt-7be5be79.pth")
+    torch.save(LPIPS(load=False, device="cpu").features.state_dict(), empty / "alexnet-owt-7be5be79.pth")
     with pytest.raises(OptionalDependencyError) as e:
         LPIPS(net="alex")
     assert "lpips_alex.pth" in str(e.value) and "richzhang/PerceptualSimilarity" in str(e.value)
@@ -303,7 +303,7 @@ def test_missing_weights_name_the_file_the_url_and_the_ways_to_point_at_it(tmp_p
 def save_lpips_files(folder: Path, net: str = "alex", seed: int = 0) -> tuple[Path, Path, LPIPS]:
     """Random LPIPS weights in the published layouts: torchvision backbone (with its classifier) + lpips heads."""
     torch.manual_seed(seed)
-    src = LPIPS(net=net, load=False)
+    src = LPIPS(net=net, load=False, device="cpu")
     with torch.no_grad():
         for lin in src.lins:
             lin.weight.copy_(torch.rand_like(lin.weight))          # heads are non-negative in the real file
@@ -321,7 +321,7 @@ def save_lpips_files(folder: Path, net: str = "alex", seed: int = 0) -> tuple[Pa
 def lpips_alex(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lpips")
     b, h, src = save_lpips_files(folder)
-    return LPIPS(h, b, net="alex"), src, folder
+    return LPIPS(h, b, net="alex", device="cpu"), src, folder
 
 
 def ref_lpips(model: LPIPS, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -362,7 +362,7 @@ def test_lpips_identity_symmetry_and_reference(lpips_alex):
 
 def test_lpips_vgg_and_key_layouts(tmp_path):
     b, h, src = save_lpips_files(tmp_path / "vgg", net="vgg")
-    lp = LPIPS(h, b, net="vgg")
+    lp = LPIPS(h, b, net="vgg", device="cpu")
     torch.manual_seed(2)
     x, y = torch.rand(2, 3, 32, 32) * 2 - 1, torch.rand(2, 3, 32, 32) * 2 - 1
     with torch.no_grad():
@@ -374,7 +374,7 @@ def test_lpips_vgg_and_key_layouts(tmp_path):
     heads = torch.load(h, weights_only=True)
     save_file({k.replace("model.1", "model.0"): v for k, v in heads.items()}, str(tmp_path / "heads.safetensors"))
     with torch.no_grad():
-        assert torch.equal(LPIPS(tmp_path / "heads.safetensors", b, net="vgg")(x, y), d)
+        assert torch.equal(LPIPS(tmp_path / "heads.safetensors", b, net="vgg", device="cpu")(x, y), d)
     torch.save({k: v for k, v in heads.items() if not k.startswith("lin4")}, tmp_path / "short.pth")
     with pytest.raises(ModelLoadError, match="lin4.weight"):
         LPIPS(tmp_path / "short.pth", b, net="vgg")
@@ -484,23 +484,23 @@ def write_pngs(folder: Path, images: np.ndarray) -> Path:
 def test_compute_metrics_end_to_end_with_cache(inception, lpips_alex, tmp_path):
     _, _, lpips_folder = lpips_alex
     rng = np.random.default_rng(10)
-    real = write_pngs(tmp_path / "real", rng.integers(0, 256, (4, 3, 32, 32), dtype=np.uint8))
-    fake = rng.uniform(-1, 1, (4, 3, 32, 32)).astype(np.float32)          # generator range
+    real = write_pngs(tmp_path / "real", rng.integers(0, 256, (3, 3, 32, 32), dtype=np.uint8))
+    fake = rng.uniform(-1, 1, (3, 3, 32, 32)).astype(np.float32)          # generator range
     np.save(tmp_path / "fake.npy", fake)
     cache = tmp_path / "cache"
     res = compute_metrics(real, tmp_path / "fake.npy", "fid,kid,is,lpips,lpips_paired", inception=inception,
                           lpips_weights=lpips_folder, cache_dir=cache, progress=False, kid_subsets=5)
-    assert res["n_real"] == 4 and res["n_fake"] == 4
+    assert res["n_real"] == 3 and res["n_fake"] == 3
     assert res["fid"] > 0 and np.isfinite(res["kid_mean"]) and res["is_mean"] >= 1.0
     assert res["lpips_diversity"] > 0 and res["lpips_paired"] > 0
-    assert res["settings"]["kid_subset_size"] == 4 and res["settings"]["is_splits"] == 4
+    assert res["settings"]["kid_subset_size"] == 3 and res["settings"]["is_splits"] == 3
     assert any("biased" in n for n in res["notes"]) and not res["real_stats"]["cache_hit"]
     cached = FeatureStats.load(res["real_stats"]["cache"])
-    assert cached.features.shape == (4, POOL_DIM) and cached.sigma.shape == (POOL_DIM, POOL_DIM)
+    assert cached.features.shape == (3, POOL_DIM) and cached.sigma.shape == (POOL_DIM, POOL_DIM)
     # the reported numbers are the maths applied to the network's features
-    fake_pool, fake_logits = inception.features(next(open_source(tmp_path / "fake.npy").batches(4)))
+    fake_pool, fake_logits = inception.features(next(open_source(tmp_path / "fake.npy").batches(3)))
     assert res["fid"] == pytest.approx(fid_from_features(cached.features, fake_pool), rel=1e-9)
-    assert res["is_mean"] == pytest.approx(inception_score(fake_logits, splits=4).mean, rel=1e-9)
+    assert res["is_mean"] == pytest.approx(inception_score(fake_logits, splits=3).mean, rel=1e-9)
     # second run: real statistics from the cache; the real set against itself has FID 0
     again = compute_metrics(real, real, ["fid"], inception=inception, cache_dir=cache, progress=False)
     assert again["real_stats"]["cache_hit"] and abs(again["fid"]) < 1e-6
@@ -568,3 +568,26 @@ def test_cli_samples_a_model_and_writes_json(testdata, inception_file, lpips_ale
     assert summary["is_mean"] >= 1.0 and summary["lpips_diversity"] > 0
     stats = FeatureStats.load(tmp_path / "real_stats.npz")
     assert stats.n == 2 and stats.features.shape == (2, POOL_DIM)
+
+
+# ---------------------------------------------------------------- GPU (run by the lead on the GPU machine)
+
+@pytest.mark.gpu
+def test_gpu_features_are_fp32_under_a_callers_autocast(inception_file, lpips_alex):
+    cpu = InceptionFeatures(inception_file, device="cpu", progress=False)
+    gpu = InceptionFeatures(inception_file, device="cuda", progress=False)
+    u8 = np.random.default_rng(12).integers(0, 256, (4, 3, 64, 64), dtype=np.uint8)
+    want_pool, want_logits = cpu.features(u8)
+    torch.backends.cudnn.allow_tf32 = True
+    with torch.autocast("cuda", dtype=torch.float16):               # a trainer evaluating inside its AMP context
+        pool, logits = gpu.features(u8)
+    assert torch.backends.cudnn.allow_tf32                           # the caller's setting is restored
+    assert pool.dtype == np.float32
+    assert np.allclose(pool, want_pool, rtol=1e-4, atol=1e-4) and np.allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
+    lp_cpu, _, folder = lpips_alex
+    lp = LPIPS(folder, device="cuda")
+    x = torch.rand(2, 3, 64, 64) * 2 - 1
+    y = torch.rand(2, 3, 64, 64) * 2 - 1
+    with torch.autocast("cuda", dtype=torch.float16):
+        d = lp.distance(x, y)
+    assert torch.allclose(d, lp_cpu.distance(x, y), rtol=1e-4, atol=1e-6)
