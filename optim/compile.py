@@ -27,6 +27,7 @@ largest win for small batches). Outputs are cloned because a replay overwrites t
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import time
 from pathlib import Path
@@ -162,12 +163,16 @@ class _BucketedCall:
         self.cudagraphs = cudagraphs
         self.cache = cache
         self.cache_key = cache_key
+        self.defaults = _keyword_defaults(eager) if kind == "stylegan" else {}
 
     def __call__(self, *args, **kwargs):
         n = None
         if self.kind == "stylegan":
             ws = args[0] if args else kwargs.pop("ws")
             args = args[1:]
+            # Callers pass different keyword sets (G.forward passes four, style mixing one); dynamo
+            # guards on the set, so every call gets the full set with the network's defaults.
+            kwargs = {**self.defaults, **kwargs}
             n = int(ws.shape[0])
             key = stylegan_key(n, kwargs.get("noise_mode", "const"))
             pad = key[0] - n
@@ -196,7 +201,7 @@ class _BucketedCall:
             if not first:
                 raise
             # A compiler failure must not cost the artist the image: run eagerly and say so.
-            reason = f"torch.compile failed for shape {list(key)} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); ran eagerly"
+            reason = f"torch.compile failed for shape {list(key)} ({_describe(exc)}); ran eagerly"
             tr.failed[key] = reason
             tr.report.setdefault("failures", {})[_key_str(key)] = reason
             tr.status(reason)
@@ -227,6 +232,26 @@ class _BucketedCall:
         if self.cudagraphs and clone:
             out = _clone_outputs(out)
         return out
+
+
+def _describe(exc: BaseException) -> str:
+    """The root cause in one line (dynamo wraps compiler errors in BackendCompilerFailed)."""
+    inner = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+    text = " ".join(str(inner).split())
+    return f"{type(inner).__name__}: {text[:200]}"
+
+
+# StyleGAN2's SynthesisNetwork.forward takes **block_kwargs; these are the ones Generator.forward passes.
+_SG2_BLOCK_DEFAULTS = {"noise_mode": "const", "force_fp32": False, "fused_modconv": None, "update_emas": False}
+
+
+def _keyword_defaults(module: torch.nn.Module) -> dict:
+    sig = inspect.signature(module.forward)
+    out = {k: p.default for k, p in list(sig.parameters.items())[1:]
+           if p.default is not inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()) and hasattr(module, "block_resolutions"):
+        out = {**_SG2_BLOCK_DEFAULTS, **out}
+    return out
 
 
 def _clone_outputs(out):

@@ -1,0 +1,230 @@
+"""torch.compile: buckets compile once each (checked with dynamo's error_on_recompile after warm-up),
+first-run status, eager fallback, the on-disk / portable cache, and agreement with the fp32 reference.
+
+The bucket logic is the same whatever the backend, so the StyleGAN and UNet guard tests use dynamo's
+"eager" backend (tracing without code generation: seconds, not minutes on 2 CPU cores); a tiny conv
+net goes through the real inductor backend and its cache in subprocesses.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+import optim
+from core.types import OptimizationFlags as Flags
+from optim import compile as oc
+from optim.targets import Context, resolve
+from tests.optim_helpers import CPU, generate, latents, load_G, rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def dynamo_clean():
+    torch._dynamo.reset()
+    old = torch._dynamo.config.error_on_recompile
+    yield
+    torch._dynamo.config.error_on_recompile = old
+    torch._dynamo.reset()
+
+
+def _compiled_stylegan(testdata, tmp_path, name="sg2_uncond_32", mode="default"):
+    G = load_G(testdata, name)
+    target = resolve(G, "stylegan")
+    ctx = Context(CPU, tmp_path)
+    report = oc.apply(target, Flags(compile=mode), ctx, backend="eager")
+    return G, report
+
+
+def test_batch_buckets():
+    assert [oc.batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 130)] == \
+        [1, 2, 4, 4, 8, 8, 16, 64, 64, 128, 192]
+    with pytest.raises(ValueError):
+        oc.batch_bucket(0)
+
+
+def test_stylegan_buckets_compile_once_and_never_recompile(testdata, tmp_path, dynamo_clean):
+    G, report = _compiled_stylegan(testdata, tmp_path)
+    ref_G = load_G(testdata, "sg2_uncond_32")
+    assert report["applied"] and report["component"] == "synthesis" and report["dynamic"] is False
+    messages = []
+    assert optim.set_status_callback(G, messages.append)
+    # warm-up: batches 1 and 3 (-> bucket 4)
+    for n in (1, 3):
+        assert optim.is_first_run(G, n)
+        out = generate(G, Flags(), seeds=tuple(range(n)))
+        assert not optim.is_first_run(G, n)
+        assert rel_err(generate(ref_G, Flags(), seeds=tuple(range(n))), out) < 1e-6
+    assert messages.count(oc.FIRST_RUN_STATUS) == 2 and any(m.startswith("compiled 4xconst") for m in messages)
+    assert set(report["buckets"]) == {"1xconst", "4xconst"}
+    assert not optim.is_first_run(G, 4) and optim.is_first_run(G, 2) and optim.is_first_run(G, 5)
+    # after warm-up: new seeds, ψ values, batch 4 in the warmed bucket, grad mode on and off
+    torch._dynamo.config.error_on_recompile = True
+    for n, psi in ((1, 0.5), (3, 1.0), (4, 0.3)):
+        z, c = latents(G, seeds=tuple(range(10, 10 + n)))
+        img = G(z, c, truncation_psi=psi, noise_mode="const")
+        assert img.shape == (n, 3, 32, 32)
+        with torch.no_grad():
+            ws = G.mapping(z, c, truncation_psi=psi)
+            assert G.synthesis(ws, noise_mode="const").shape == (n, 3, 32, 32)
+    assert messages.count(oc.FIRST_RUN_STATUS) == 2
+
+
+def test_naive_compile_of_the_generator_would_recompile_per_psi(testdata, dynamo_clean):
+    """The control: compiling the whole generator specialises on ψ, which the guard above would catch."""
+    G = load_G(testdata, "sg2_uncond_32")
+    cg = torch.compile(G, backend="eager", dynamic=False)
+    z, c = latents(G, seeds=(0, 1))
+    with torch.no_grad():
+        cg(z, c, truncation_psi=0.7)
+        torch._dynamo.config.error_on_recompile = True
+        with pytest.raises(torch._dynamo.exc.RecompileError):
+            cg(z, c, truncation_psi=0.5)
+
+
+@pytest.mark.slow
+def test_stylegan3_synthesis_compiles_and_matches(testdata, tmp_path, dynamo_clean):
+    G, report = _compiled_stylegan(testdata, tmp_path, "sg3t_uncond_32")
+    ref = generate(load_G(testdata, "sg3t_uncond_32"), Flags(), seeds=(0,))
+    assert rel_err(ref, generate(G, Flags(), seeds=(0,))) < 1e-6
+    assert set(report["buckets"]) == {"1xconst"}
+
+
+def test_compile_failure_falls_back_to_eager_with_reason(testdata, tmp_path, dynamo_clean):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("simulated compiler crash")
+
+    G = load_G(testdata, "sg2_uncond_32")
+    report = oc.apply(resolve(G, "stylegan"), Flags(compile="default"), Context(CPU, tmp_path), backend=broken_backend)
+    ref = generate(load_G(testdata, "sg2_uncond_32"), Flags(), seeds=(0,))
+    out = generate(G, Flags(), seeds=(0,))
+    assert rel_err(ref, out) < 1e-6
+    assert "simulated compiler crash" in report["failures"]["1xconst"] and "ran eagerly" in report["failures"]["1xconst"]
+    assert not optim.is_first_run(G, 1)                      # no retry storm on the same shape
+
+
+@pytest.mark.slow
+def test_unet_in_pipeline_compiles_once_per_resolution(tmp_path, dynamo_clean):
+    from tests.optim_tiny import prompt_embeds, tiny_pipeline
+
+    pipe = tiny_pipeline()
+    ref_pipe = tiny_pipeline()
+    report = oc.apply(resolve(pipe, "diffusion"), Flags(compile="reduce-overhead"), Context(CPU, tmp_path),
+                      backend="eager")
+    assert report["applied"] and report["mode"] == "default" and "CUDA graphs" in report["note"]
+    assert type(pipe.unet).__name__ == "OptimizedModule" and pipe.unet.config.in_channels == 4
+    pe = prompt_embeds()
+
+    def run(p, size, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return p(prompt_embeds=pe, negative_prompt_embeds=torch.zeros_like(pe), num_inference_steps=2,
+                 height=size, width=size, output_type="np", generator=g).images
+    assert optim.is_first_run(pipe, (2, 16, 16))
+    out = run(pipe, 32)
+    assert not optim.is_first_run(pipe, (2, 16, 16))
+    assert abs(out - run(ref_pipe, 32)).max() < 1e-5
+    run(pipe, 48)                                              # a second resolution: one more bucket
+    assert set(report["buckets"]) == {"2x16x16", "2x24x24"}
+    torch._dynamo.config.error_on_recompile = True
+    run(pipe, 32, seed=5)                                      # other seed, every timestep: no recompile
+    run(pipe, 48, seed=6)
+
+
+def test_prepare_compile_reports_cache_dir(testdata, tmp_path, dynamo_clean):
+    G = load_G(testdata, "sg2_uncond_32")
+    _, report = optim.prepare(G, Flags(compile="default"), CPU, kind="stylegan", cache_dir=tmp_path)
+    r = report["compile"]
+    assert r["applied"] and r["backend"] == "inductor" and r["cache_dir"] == str(tmp_path / "compile")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "compile" / "inductor").resolve())
+
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    from torch._dynamo.utils import counters
+    from optim import compile as oc
+    cache = oc.CompileCache(sys.argv[1])
+    loaded = cache.activate()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 3, 1)).eval()
+    report = {{}}
+    compiled = oc.compile_module(net, "module", "default", torch.device("cpu"), report, cache, "tiny")
+    x = torch.randn(2, 3, 16, 16)
+    t0 = time.perf_counter()
+    out = compiled(x)
+    with torch.no_grad():
+        ref = net(x)
+    print(json.dumps({{"loaded": loaded, "hit": counters["inductor"]["fxgraph_cache_hit"],
+                      "miss": counters["inductor"]["fxgraph_cache_miss"], "s": time.perf_counter() - t0,
+                      "err": float((out - ref).abs().max()), "report": report}}))
+""")
+
+
+def _run_cache_script(cache_dir: Path) -> dict:
+    code = _CACHE_SCRIPT.format(root=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    res = subprocess.run([sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_inductor_matches_eager_and_second_start_hits_the_cache(tmp_path):
+    first = _run_cache_script(tmp_path / "a")
+    assert first["err"] < 1e-5 and first["miss"] >= 1 and first["hit"] == 0
+    assert first["report"]["buckets"] == {"2x16x16": first["report"]["buckets"]["2x16x16"]}
+    artifacts = sorted((tmp_path / "a" / "compile" / "artifacts").glob("*.bin"))
+    assert len(artifacts) == 1 and artifacts[0].stat().st_size > 0
+    # a second start on the same cache: the FX graph comes from disk
+    second = _run_cache_script(tmp_path / "a")
+    assert second["hit"] >= 1 and second["miss"] == 0 and second["err"] < 1e-5
+    # a fresh machine given only the portable artifacts file: loaded, and a hit as well
+    fresh = tmp_path / "b" / "compile" / "artifacts"
+    fresh.mkdir(parents=True)
+    (fresh / artifacts[0].name).write_bytes(artifacts[0].read_bytes())
+    third = _run_cache_script(tmp_path / "b")
+    assert third["loaded"] == 1 and third["hit"] >= 1 and third["miss"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_stylegan_compile_inductor(testdata, tmp_path, mode, dynamo_clean):
+    cuda = torch.device("cuda")
+    ref = generate(load_G(testdata, "sg2_cond4_64_fp16").to(cuda), Flags(), seeds=(0, 1, 2), device=cuda)
+    G = load_G(testdata, "sg2_cond4_64_fp16").to(cuda)
+    G, report = optim.prepare(G, Flags(compile=mode), cuda, kind="stylegan", cache_dir=tmp_path)
+    assert report["compile"]["applied"] and report["compile"]["mode"] == mode
+    for n in (1, 2, 3):
+        out = generate(G, Flags(), seeds=tuple(range(n)), device=cuda)
+    assert rel_err(ref, out) < 1e-3
+    torch._dynamo.config.error_on_recompile = True
+    for n in (1, 2, 3, 4):
+        generate(G, Flags(), seeds=tuple(range(20, 20 + n)), device=cuda)
+
+
+@pytest.mark.gpu
+def test_gpu_unet_compile_reduce_overhead(tmp_path, dynamo_clean):
+    from tests.optim_tiny import prompt_embeds, tiny_pipeline
+
+    cuda = torch.device("cuda")
+    ref_pipe, _ = optim.prepare(tiny_pipeline(), Flags(precision="bf16"), cuda, kind="diffusion")
+    pipe, report = optim.prepare(tiny_pipeline(), Flags(precision="bf16", compile="reduce-overhead"), cuda,
+                                 kind="diffusion", cache_dir=tmp_path)
+    assert report["compile"]["applied"] and report["compile"]["mode"] == "reduce-overhead"
+    pe = prompt_embeds().to(cuda, torch.bfloat16)
+
+    def run(p, seed=0):
+        g = torch.Generator("cpu").manual_seed(seed)
+        return p(prompt_embeds=pe, negative_prompt_embeds=torch.zeros_like(pe), num_inference_steps=3, height=32,
+                 width=32, output_type="np", generator=g).images
+    assert abs(run(pipe) - run(ref_pipe)).max() < 0.05
+    torch._dynamo.config.error_on_recompile = True
+    run(pipe, seed=3)
