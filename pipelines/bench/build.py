@@ -11,8 +11,10 @@ drift.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -54,6 +56,19 @@ def stylegan_generator(workload: Workload, device: torch.device, seed: int, fp32
 
 
 # -- diffusion ---------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def quiet_diffusers():
+    """diffusers warns on every cast of a freshly built model ("modules that should be kept in float32: []")
+    and about fp16 on a CPU; in a benchmark those lines bury the progress output."""
+    log = logging.getLogger("diffusers")
+    old = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
+
 
 def _read_json(path: Path) -> dict:
     try:
@@ -136,7 +151,7 @@ def random_diffusion_pipeline(workload: Workload, device: torch.device, seed: in
     cfg = diffusion_configs(workload)
     family = dcat.ARCH_INFO[workload.arch].family
     folder = dcat.config_dir(workload.arch)
-    with torch.device(device):
+    with torch.device(device), quiet_diffusers():
         torch.manual_seed(seed)
         unet = diffusers.UNet2DConditionModel.from_config(cfg["unet"])
         vae = diffusers.AutoencoderKL.from_config(cfg["vae"])
@@ -178,7 +193,8 @@ def loaded_diffusion(workload: Workload, device: torch.device, seed: int, weight
         return loaded
     pipe = random_diffusion_pipeline(workload, device, seed)
     if dtype != torch.float32:
-        pipe.to(dtype=dtype)
+        with quiet_diffusers():
+            pipe.to(dtype=dtype)
     size = sum(p.numel() * p.element_size() for m in pipe.components.values() if isinstance(m, torch.nn.Module)
                for p in m.parameters())
     return LoadedDiffusion(pipe=pipe, arch=workload.arch, source="random", ref=f"random-{workload.name}", path=None,
@@ -189,7 +205,8 @@ def loaded_diffusion(workload: Workload, device: torch.device, seed: int, weight
 def stock_diffusion_pipeline(workload: Workload, device: torch.device, seed: int, weights: str | None = None):
     """The baseline: a plain diffusers pipeline in fp16 (SDPA is diffusers' default attention)."""
     pipe = loaded_diffusion(workload, device, seed, weights).pipe
-    pipe.to(device, torch.float16)
+    with quiet_diffusers():
+        pipe.to(device, torch.float16)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

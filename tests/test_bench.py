@@ -1,0 +1,250 @@
+"""`python app.py bench` on the CPU with tiny real models: rows on disk, skips and failures that do not stop
+the run, drift and FLOPs, time budgets, isolated cases, and the merged report."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli.bench import main as bench_main
+from core.errors import InputError
+from pipelines.bench.specs import get_workload, parse_custom, resolve_configs
+from telemetry.bench_report import END_MARK, START_MARK, evaluate_targets, merge, read_jsonl, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rows_of(out: Path, kind: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["type"] == kind]
+
+
+def results(out: Path) -> dict[tuple[str, int], dict]:
+    return {(r["config"], r["batch"]): r for r in rows_of(out, "result")}
+
+
+def bench(out: Path, *args: str) -> int:
+    return bench_main(["--out", str(out), "--device", "cpu", "--quiet", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def sg2_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sg2")
+    rc = bench(out, "--workload", "sg2-tiny", "--configs", "fp32,bf16,fp16,tensorrt", "--batches", "1",
+               "--repeats", "2", "--warmup", "1", "--profile", "bf16")
+    assert rc == 0
+    return out
+
+
+def test_stylegan_run_writes_every_case_with_numbers_or_reasons(sg2_run):
+    run = rows_of(sg2_run, "run")
+    assert len(run) == 1 and run[0]["torch"] == torch.__version__ and run[0]["device"] == "cpu"
+    assert run[0]["rates"]["bf16_tflops"] > 0 and run[0]["command"].startswith("python app.py bench")
+    starts = {(r["config"], r["batch"]) for r in rows_of(sg2_run, "start")}
+    res = results(sg2_run)
+    assert set(res) == starts == {("fp32", 1), ("bf16", 1), ("fp16", 1), ("tensorrt", 1)}
+
+    wl = rows_of(sg2_run, "workload")[0]
+    G_flops = wl["flops_per_image"]
+    assert G_flops > 1e6 and wl["params"]["generator"] > 1000 and wl["targets"] == []
+
+    fp32, bf16 = res[("fp32", 1)], res[("bf16", 1)]
+    for r in (fp32, bf16):
+        assert r["status"] == "ok", r.get("reason")
+        assert r["ms_per_image"] > 0 and len(r["call_ms_samples"]) == 2 and r["stages_ms"]["synthesis"] > 0
+        assert r["peak_vram_bytes"] > 0 and r["first_call_s"] > 0 and r["e2e_ms_per_image"] > 0
+        assert r["flops_per_image"] == G_flops and 0 < r["floor_fraction"]
+    # fp32 against itself is exact on the CPU; bf16 drifts but stays a recognisable image
+    assert fp32["drift"]["psnr_db"] == "inf" and fp32["drift"]["ssim"] == 1.0
+    assert 20 < bf16["drift"]["psnr_db"] < 200 and 0.5 < bf16["drift"]["ssim"] < 1.0
+    assert bf16["optimizations"]["precision"]["applied"] is True
+    prof = bf16["profile"]
+    assert prof["top"] and prof["device_busy_ms"] > 0 and sum(prof["by_class_ms"].values()) > 0
+
+    fp16, trt = res[("fp16", 1)], res[("tensorrt", 1)]
+    assert fp16["status"] == "skipped" and "CPU" in fp16["reason"] and "ms_per_image" not in fp16
+    assert trt["status"] == "skipped" and "tensorrt" in trt["reason"].lower()
+
+
+def test_stylegan_run_leaves_a_report_with_table_plot_and_reasons(sg2_run):
+    md = (sg2_run / "bench.md").read_text()
+    assert START_MARK in md and END_MARK in md
+    assert "| `fp32` |" in md and "| `bf16` |" in md
+    assert "Not measured:" in md and "`tensorrt` (batch 1): skipped" in md
+    png = sg2_run / "plots" / "sg2-tiny.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    merged = json.loads((sg2_run / "bench.json").read_text())
+    assert {r["config"] for r in merged["results"]} == {"fp32", "bf16", "fp16", "tensorrt"}
+
+
+def test_strict_fails_the_case_and_the_rest_continue(tmp_path):
+    # fp32 is not asked for: the drift reference comes from a dedicated fp32 run before the first case.
+    rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "fp16,bf16", "--batches", "1", "--repeats", "1",
+               "--strict", "--no-report", "--profile", "none")
+    assert rc == 0
+    res = results(tmp_path)
+    assert res[("fp16", 1)]["status"] == "failed" and "--strict" in res[("fp16", 1)]["reason"]
+    bf16 = res[("bf16", 1)]
+    assert bf16["status"] == "ok" and 20 < bf16["drift"]["psnr_db"] < 200
+    assert list((tmp_path / "reference").glob("sg2-tiny-*.npz"))
+
+
+def test_time_budget_skips_cases_that_would_start_late(tmp_path):
+    rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "fp32,bf16", "--batches", "1,2",
+               "--max-minutes", "0", "--no-report")
+    assert rc == 0
+    res = results(tmp_path)
+    assert len(res) == 4 and not rows_of(tmp_path, "start")
+    assert all(r["status"] == "skipped" and "--max-minutes" in r["reason"] for r in res.values())
+
+
+def test_diffusion_stock_baseline_and_product_path_with_stage_times_and_exact_flops(tmp_path):
+    rc = bench(tmp_path, "--workload", "sd-tiny", "--configs", "baseline,fp32", "--batches", "1", "--steps", "2",
+               "--repeats", "1", "--warmup", "1", "--profile", "none", "--no-report")
+    assert rc == 0
+    res = results(tmp_path)
+    for name in ("baseline", "fp32"):
+        r = res[(name, 1)]
+        assert r["status"] == "ok", r.get("reason")
+        assert {"text_encoder", "denoise", "vae_decode"} <= set(r["stages_ms"])
+        assert r["it_per_s"] == pytest.approx(2 / (r["stages_ms"]["denoise"] / 1e3))
+        assert r["ms_per_image"] >= r["stages_ms"]["denoise"]
+    assert res[("fp32", 1)]["drift"]["psnr_db"] == "inf"
+    base = res[("baseline", 1)]
+    assert base["optimizations"]["baseline"]["applied"] and base["drift"]["ssim"] > 0.5   # fp16 weights drift a little
+
+    wl = rows_of(tmp_path, "workload")[0]
+    stages = wl["flops_by_stage"]
+    assert stages["text_encoder"]["calls"] == 2          # prompt and (empty) negative prompt, for CFG
+    assert stages["vae_decode"]["calls"] == 1 and stages["denoise"]["calls"] >= 2
+    # the UNet's FLOPs per call equal a direct count on the same network and CFG-batched input
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipelines.bench import build
+
+    pipe = build.random_diffusion_pipeline(get_workload("sd-tiny"), torch.device("cpu"), 0)
+    unet = pipe.unet
+    x = torch.randn(2, 4, 8, 8)
+    ctx = torch.randn(2, 77, unet.config.cross_attention_dim)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        unet(x, torch.tensor([500, 500]), encoder_hidden_states=ctx)
+    assert stages["denoise"]["flops"] == fc.get_total_flops() * stages["denoise"]["calls"]
+    assert wl["flops_per_image"] == sum(s["flops"] for s in stages.values())
+    assert wl["calibration"]["unet_conv_out"] > 0
+
+
+@pytest.mark.slow
+def test_sdxl_tiny_runs_both_text_towers(tmp_path):
+    rc = bench(tmp_path, "--workload", "sdxl-tiny", "--configs", "fp32,baseline", "--batches", "1", "--steps", "1",
+               "--repeats", "1", "--profile", "none", "--no-report")
+    assert rc == 0
+    res = results(tmp_path)
+    assert all(r["status"] == "ok" for r in res.values()), [r.get("reason") for r in res.values()]
+    wl = rows_of(tmp_path, "workload")[0]
+    te = wl["flops_by_stage"]["text_encoder"]
+    assert te["calls"] == 1 and te["flops"] > 0                     # each tower once (the negative is zeros)
+    assert res[("baseline", 1)]["stages_ms"]["text_encoder"] > 0
+
+
+@pytest.mark.slow
+def test_isolated_cases_run_in_children_and_a_hung_case_is_killed(tmp_path):
+    rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "fp32,bf16", "--batches", "1", "--repeats", "1",
+               "--isolate", "--profile", "none", "--no-report")
+    assert rc == 0
+    run_id = rows_of(tmp_path, "run")[0]["run_id"]
+    res = results(tmp_path)
+    assert {r["status"] for r in res.values()} == {"ok"} and {r["run_id"] for r in res.values()} == {run_id}
+    assert res[("bf16", 1)]["drift"]["psnr_db"] > 20           # the reference crossed processes through the npz
+
+    out2 = tmp_path / "hung"
+    rc = bench(out2, "--workload", "sg2-tiny", "--configs", "fp32", "--batches", "1", "--isolate",
+               "--config-timeout", "0.5", "--no-report")
+    assert rc == 0
+    r = results(out2)[("fp32", 1)]
+    assert r["status"] == "failed" and "timed out" in r["reason"]
+
+
+def test_report_merges_pieces_prefers_successes_and_flags_unfinished_cases(sg2_run, tmp_path):
+    # A second piece: bf16 measured again but failed this time, and a case that was killed mid-way.
+    piece = tmp_path / "piece.jsonl"
+    run_id = "later"
+    piece.write_text("\n".join(json.dumps(r) for r in [
+        {"type": "run", "run_id": run_id, "date": "2026-11-30T00:00:00+00:00", "torch": "x", "device": "cpu",
+         "rates": {"bf16_tflops": 1.0}, "command": "python app.py bench ..."},
+        {"type": "start", "run_id": run_id, "workload": "sg2-tiny", "config": "bf16", "batch": 1},
+        {"type": "result", "run_id": run_id, "workload": "sg2-tiny", "config": "bf16", "batch": 1,
+         "status": "failed", "reason": "boom"},
+        {"type": "start", "run_id": run_id, "workload": "sg2-tiny", "config": "compile-cg", "batch": 1},
+    ]) + "\n{\"type\": \"result\", \"cut sho")         # a line cut short by a kill is ignored
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nHow to run.\n\n{START_MARK}\nold numbers\n{END_MARK}\n\nFooter stays.\n")
+    out = write_report([sg2_run / "bench.jsonl", piece], doc)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nHow to run.") and text.rstrip().endswith("Footer stays.")
+    assert "old numbers" not in text and text.count(START_MARK) == 1
+    assert "| `bf16` |" in text                                   # the earlier success wins over the later failure
+    assert "`compile-cg` (batch 1): unfinished" in text
+    assert Path(out["json"]).is_file() and out["plots"] and Path(out["plots"][0]).is_file()
+    m = merge(read_jsonl(sg2_run / "bench.jsonl") + read_jsonl(piece))
+    assert m.results[("sg2-tiny", 1, "bf16")]["status"] == "ok" and len(m.runs) == 2
+
+
+def test_targets_name_the_best_row_and_the_margin():
+    rows = [
+        {"type": "workload", "workload": "w", "kind": "stylegan",
+         "targets": [{"metric": "ms_per_image", "op": "<", "value": 2.0, "batch": "1", "configs": "any", "label": "< 2 ms"},
+                     {"metric": "images_per_s", "op": ">=", "value": 2000, "batch": "throughput", "configs": "any",
+                      "label": "> 2000/s"}]},
+        {"type": "result", "workload": "w", "config": "baseline", "batch": 1, "status": "ok", "ms_per_image": 1.0},
+        {"type": "result", "workload": "w", "config": "bf16", "batch": 1, "status": "ok", "ms_per_image": 3.0,
+         "flags": {"precision": "bf16"}, "drift": {"psnr_db": 40.0},
+         "profile": {"busy_fraction": 0.3, "by_class_ms": {"convolution": 3.0, "elementwise": 1.0}, "top": []}},
+        {"type": "result", "workload": "w", "config": "fp16", "batch": 1, "status": "ok", "ms_per_image": 2.5,
+         "flags": {"precision": "fp16"}, "drift": {"psnr_db": 30.0}},      # faster but over the drift budget
+        {"type": "result", "workload": "w", "config": "bf16", "batch": 32, "status": "ok", "images_per_s": 2500.0,
+         "flags": {"precision": "bf16"}},
+    ]
+    t1, t2 = evaluate_targets(merge(rows), "w")
+    assert t1["status"] == "missed" and t1["config"] == "bf16" and t1["margin"] == pytest.approx(-0.5)
+    assert "busy 30%" in t1["limit"] and "convolution 75%" in t1["limit"]
+    assert t2["status"] == "met" and t2["batch"] == 32 and t2["margin"] == pytest.approx(0.25)
+
+
+def test_configuration_names_and_custom_flags():
+    wl = get_workload("sdxl-1024")
+    cfgs = {c.name: c for c in resolve_configs(wl, ["baseline", "fp32", "best", "best-fp8", "x@precision=fp16+prune=0.3"])}
+    assert cfgs["baseline"].is_baseline and not cfgs["fp32"].is_baseline
+    assert cfgs["best"].flags.precision == "bf16" and cfgs["best"].flags.compile == "default"
+    assert cfgs["best-fp8"].flags.fp8 and cfgs["best-fp8"].uses_compile
+    assert cfgs["x"].flags.prune_amount == pytest.approx(0.3) and cfgs["x"].flags.precision == "fp16"
+    assert resolve_configs(get_workload("sg2-1024"), ["fp32"])[0].fp32_layers
+    assert parse_custom("a@channels-last=yes+memory=vae-tiling/vae-slicing")[1] == {
+        "channels_last": True, "memory": ("vae-tiling", "vae-slicing")}
+    with pytest.raises(InputError, match="unknown configuration 'fp64'"):
+        resolve_configs(wl, ["fp64"])
+    with pytest.raises(InputError, match="unknown setting"):
+        parse_custom("a@speed=max")
+    with pytest.raises(InputError, match="unique"):
+        resolve_configs(wl, ["fp32", "fp32"])
+
+
+def test_cli_errors_are_one_line_and_nonzero(tmp_path, capsys):
+    assert bench(tmp_path, "--workload", "sd99") == 2
+    assert "unknown workload 'sd99'" in capsys.readouterr().err
+    assert bench(tmp_path, "--workload", "sg2-tiny", "--config-timeout", "5") == 2
+    assert "--isolate" in capsys.readouterr().err
+    assert bench_main(["report", "--inputs", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "r.md")]) == 2
+    assert "no benchmark results" in capsys.readouterr().err
+
+
+def test_app_bench_needs_no_gradio():
+    # The GPU machine has no gradio: `python app.py bench` must get to the benchmark without it.
+    code = ("import sys; import app; rc = app.main(['bench', 'list']); "
+            "assert rc == 0, rc; bad = [m for m in ('gradio', 'ui', 'diffusers') if m in sys.modules]; "
+            "assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "sd15-512" in p.stdout and "compile-cg" in p.stdout and "best-fp8" in p.stdout
