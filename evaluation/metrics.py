@@ -84,7 +84,7 @@ class FeatureStats:
                       version=np.int64(STATS_VERSION))
         if with_features and self.features is not None:
             arrays["features"] = self.features
-        tmp = path.with_name(path.name + ".tmp.npz")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")   # two evaluations may share a cache
         np.savez(tmp, **arrays)
         os.replace(tmp, path)              # a reader never sees half a file
         return path
@@ -274,9 +274,10 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
         timings["kid"] = time.perf_counter() - t
     if "is" in names:
         t = time.perf_counter()
-        splits = min(int(is_splits), len(fake))
+        # fewer images than splits: one split over all of them (a split of one image always scores 1)
+        splits = int(is_splits) if len(fake) >= int(is_splits) else 1
         if splits < int(is_splits):
-            notes.append(f"Inception Score over {splits} splits (only {len(fake)} images)")
+            notes.append(f"Inception Score over 1 split: only {len(fake)} images for {is_splits} splits")
         score = inception_score(logits, splits=splits)
         result["is_mean"], result["is_std"] = score.mean, score.std
         settings["is_splits"] = splits

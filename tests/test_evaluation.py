@@ -493,14 +493,14 @@ def test_compute_metrics_end_to_end_with_cache(inception, lpips_alex, tmp_path):
     assert res["n_real"] == 3 and res["n_fake"] == 3
     assert res["fid"] > 0 and np.isfinite(res["kid_mean"]) and res["is_mean"] >= 1.0
     assert res["lpips_diversity"] > 0 and res["lpips_paired"] > 0
-    assert res["settings"]["kid_subset_size"] == 3 and res["settings"]["is_splits"] == 3
+    assert res["settings"]["kid_subset_size"] == 3 and res["settings"]["is_splits"] == 1
     assert any("biased" in n for n in res["notes"]) and not res["real_stats"]["cache_hit"]
     cached = FeatureStats.load(res["real_stats"]["cache"])
     assert cached.features.shape == (3, POOL_DIM) and cached.sigma.shape == (POOL_DIM, POOL_DIM)
     # the reported numbers are the maths applied to the network's features
     fake_pool, fake_logits = inception.features(next(open_source(tmp_path / "fake.npy").batches(3)))
     assert res["fid"] == pytest.approx(fid_from_features(cached.features, fake_pool), rel=1e-9)
-    assert res["is_mean"] == pytest.approx(inception_score(fake_logits, splits=3).mean, rel=1e-9)
+    assert res["is_mean"] == pytest.approx(inception_score(fake_logits, splits=1).mean, rel=1e-9)
     # second run: real statistics from the cache; the real set against itself has FID 0
     again = compute_metrics(real, real, ["fid"], inception=inception, cache_dir=cache, progress=False)
     assert again["real_stats"]["cache_hit"] and abs(again["fid"]) < 1e-6
