@@ -248,3 +248,13 @@ def test_app_bench_needs_no_gradio():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "sd15-512" in p.stdout and "compile-cg" in p.stdout and "best-fp8" in p.stdout
+
+
+def test_a_configuration_with_the_same_flags_is_measured_once(tmp_path):
+    # sg2-tiny's 'best' is plain bf16: its row is the bf16 row, not a second measurement.
+    rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "bf16,best", "--batches", "1", "--repeats", "1",
+               "--profile", "none", "--no-report")
+    assert rc == 0
+    res = results(tmp_path)
+    assert res[("best", 1)]["same_as"] == "bf16" and res[("best", 1)]["ms_per_image"] == res[("bf16", 1)]["ms_per_image"]
+    assert [r["config"] for r in rows_of(tmp_path, "start")] == ["bf16"]
