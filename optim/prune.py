@@ -56,12 +56,9 @@ def _stylegan_probe(G: torch.nn.Module, device: torch.device) -> Callable[[], to
     c = torch.zeros(2, G.c_dim, device=device)
     if G.c_dim:
         c[torch.arange(2), torch.arange(2) % G.c_dim] = 1
-    with torch.no_grad():
-        ws = G.mapping(z, c, truncation_psi=1.0)
-
     def run() -> torch.Tensor:
-        with torch.no_grad():
-            return G.synthesis(ws, noise_mode="const").float()
+        with torch.no_grad():       # mapping too: unstructured pruning also thins the mapping network
+            return G.synthesis(G.mapping(z, c, truncation_psi=1.0), noise_mode="const").float()
     return run
 
 
@@ -211,8 +208,14 @@ def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
         for a, b in zip(layers[:-1], layers[1:]):
             idx = _keep_index(_l1_rows(a.weight), amount)
             channels_before[syn.layer_names[layers.index(a)]] = a.out_channels
+            old_in = b.in_channels
             _cut_producer(a, idx)
             _cut_consumer(b, idx)
+            if getattr(b, "is_torgb", False):
+                # StyleGAN3's ToRGB scales its styles by 1/sqrt(in_channels) at run time and has no
+                # demodulation to cancel it: fold the old gain into the weight.
+                with torch.no_grad():
+                    b.weight.mul_(math.sqrt(b.in_channels / old_in))
             channels_after[syn.layer_names[layers.index(a)]] = int(idx.numel())
     else:
         raise NotImplementedError(f"no channel pruning for {type(syn).__name__}")

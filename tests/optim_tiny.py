@@ -68,3 +68,17 @@ def unet_inputs(batch: int = 2, size: int = 8, seed: int = 1):
 def prompt_embeds(batch: int = 1, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, TOKENS, CROSS_DIM, generator=g)
+
+
+def tiny_sdxl_unet(seed: int = 0):
+    """An SDXL-style UNet (text_time additional conditioning, linear projections, per-block head dims)."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=80, attention_head_dim=(2, 4), use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 48,
+        transformer_layers_per_block=1, norm_num_groups=8,
+    ).eval().requires_grad_(False)

@@ -1,0 +1,179 @@
+"""Pruning: L1-unstructured (sparsity, honestly no speed-up) and structured channel pruning (fewer parameters).
+
+Tolerances: structured pruning of channels that carry nothing (zeroed producer rows and consumer
+columns) must reproduce the unpruned output to rounding (rel. error < 1e-5), which checks that every
+dependent tensor was cut along the right axis. On the random-weight test networks real pruning drifts a
+lot (sg2_uncond_32, 50 % L1-unstructured: 3.5 dB), so drift is checked for being reported exactly and
+for growing with the amount.
+"""
+import pytest
+import torch
+
+import optim
+from core.types import OptimizationFlags as Flags
+from evaluation.drift import psnr
+from optim.prune import NO_SPEEDUP
+from tests.optim_helpers import CPU, generate, load_G, prepared, rel_err
+
+
+def _probe(G):
+    """The prune report's probe, rebuilt independently: 2 z from torch.Generator(0), const noise."""
+    z = torch.randn(2, G.z_dim, generator=torch.Generator().manual_seed(0))
+    c = torch.zeros(2, G.c_dim)
+    if G.c_dim:
+        c[torch.arange(2), torch.arange(2) % G.c_dim] = 1
+    with torch.no_grad():
+        return G.synthesis(G.mapping(z, c), noise_mode="const")
+
+
+def test_l1_unstructured_stylegan_sparsity_and_honest_report(testdata):
+    ref = _probe(load_G(testdata, "sg2_uncond_32"))
+    G, report = prepared(testdata, "sg2_uncond_32", Flags(prune_amount=0.3))
+    r = report["prune"]
+    assert r["applied"] and r["method"] == "l1-unstructured"
+    assert r["params_before"] == r["params_after"]                 # shapes unchanged
+    assert abs(r["sparsity"] - 0.3) < 0.01
+    assert r["nonzero_params_after"] < r["params_before"]
+    assert r["speedup"] == NO_SPEEDUP and "no speed-up" in r["reason"]
+    zeros = sum(int((p == 0).sum()) for n, p in G.named_parameters() if p.ndim >= 2)
+    assert zeros == pytest.approx(0.3 * r["pruned_weights"], rel=0.02)
+    assert r["drift"]["psnr_db"] == pytest.approx(psnr(ref, _probe(G), 2.0), abs=0.01)
+
+
+def test_l1_drift_grows_with_amount(testdata):
+    _, small = prepared(testdata, "sg2_uncond_32", Flags(prune_amount=0.05))
+    _, large = prepared(testdata, "sg2_uncond_32", Flags(prune_amount=0.5))
+    assert small["prune"]["drift"]["psnr_db"] > large["prune"]["drift"]["psnr_db"] + 5
+
+
+def _zero_sg2_channels(G, k_of):
+    """Make k channels of every prunable group carry nothing: zero the producer rows and consumer columns."""
+    syn = G.synthesis
+    blocks = [getattr(syn, f"b{r}") for r in syn.block_resolutions]
+    with torch.no_grad():
+        for i, b in enumerate(blocks):
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+            if hasattr(b, "conv0"):
+                idx = torch.arange(k_of(b.conv0.out_channels))
+                b.conv0.weight[idx] = 0
+                b.conv0.bias[idx] = 0
+                b.conv1.weight[:, idx] = 0
+            idx = torch.arange(k_of(b.conv1.out_channels))
+            b.conv1.weight[idx] = 0
+            b.conv1.bias[idx] = 0
+            b.torgb.weight[:, idx] = 0
+            if nxt is not None:
+                nxt.conv0.weight[:, idx] = 0
+
+
+def test_structured_stylegan2_cuts_the_right_axes(testdata):
+    amount = 0.25
+    k_of = lambda c: c - int(round(c * (1 - amount)))           # noqa: E731  channels the pruner drops
+    G0 = load_G(testdata, "sg2_uncond_32")
+    _zero_sg2_channels(G0, k_of)
+    ref = generate(G0, Flags(), seeds=(0, 1))
+    before = sum(p.numel() for p in G0.parameters())
+    G, report = optim.prepare(G0, Flags(prune_amount=amount, prune_method="structured"), CPU, kind="stylegan")
+    r = report["prune"]
+    assert r["applied"] and r["params_before"] == before and r["params_after"] < before
+    assert r["channels_after"]["b8.conv0"] == 48 and r["channels_after"]["b32.conv1"] == 24
+    assert G.synthesis.b8.conv0.weight.shape == (48, 48, 3, 3)            # in and out both cut
+    assert G.synthesis.b8.conv1.affine.weight.shape[0] == 48
+    assert "fewer parameters" in r["speedup"]
+    out = generate(G, Flags(), seeds=(0, 1))
+    assert rel_err(ref, out) < 1e-5
+    assert r["drift"]["rel_err"] < 1e-5
+
+
+@pytest.mark.slow
+def test_structured_stylegan3_cuts_the_right_axes(testdata):
+    amount = 0.25
+    G0 = load_G(testdata, "sg3t_uncond_32")
+    syn = G0.synthesis
+    layers = [getattr(syn, n) for n in syn.layer_names]
+    with torch.no_grad():
+        for a, b in zip(layers[:-1], layers[1:]):
+            k = a.out_channels - int(round(a.out_channels * (1 - amount)))
+            # StyleGAN3 normalises each filter, so a zero filter would be 0/0: shrink it instead (the
+            # demodulation cancels the scale, its output is unchanged) and let nobody read it.
+            a.weight[:k] *= 1e-3
+            b.weight[:, :k] = 0
+    ref = generate(G0, Flags(), seeds=(0,))
+    G, report = optim.prepare(G0, Flags(prune_amount=amount, prune_method="structured"), CPU, kind="stylegan")
+    assert report["prune"]["applied"] and report["prune"]["params_after"] < report["prune"]["params_before"]
+    assert rel_err(ref, generate(G, Flags(), seeds=(0,))) < 1e-5
+
+
+def test_structured_stylegan2_real_pruning_still_makes_images(testdata):
+    G, report = prepared(testdata, "sg2_cond4_64_fp16", Flags(prune_amount=0.5, prune_method="structured"))
+    r = report["prune"]
+    assert r["params_after"] < 0.6 * r["params_before"]
+    out = generate(G, Flags(), seeds=(0, 1))
+    assert out.shape == (2, 3, 64, 64) and torch.isfinite(out).all()
+    assert r["drift"]["psnr_db"] > 0 and r["drift"]["rel_err"] > 0
+
+
+@pytest.mark.parametrize("make", ["tiny_unet", "tiny_sdxl_unet"])
+def test_structured_unet_with_torch_pruning(make):
+    import tests.optim_tiny as tiny
+
+    unet = getattr(tiny, make)()
+    before = sum(p.numel() for p in unet.parameters())
+    unet, report = optim.prepare(unet, Flags(prune_amount=0.5, prune_method="structured"), CPU, kind="diffusion")
+    r = report["prune"]
+    assert r["applied"], r
+    assert r["params_before"] == before and r["params_after"] < before
+    blocks = [m for m in unet.modules() if type(m).__name__ == "ResnetBlock2D"]
+    assert len(r["channels_after"]) == len(blocks)
+    for m in blocks:
+        assert m.conv1.out_channels == m.norm2.num_channels == m.conv2.in_channels == m.time_emb_proj.out_features
+        assert m.norm2.num_channels % m.norm2.num_groups == 0
+        assert m.conv1.out_channels == m.conv2.out_channels // 2       # 50 % of the inner channels
+    assert not any(p.requires_grad for p in unet.parameters())
+    from optim.prune import unet_probe_inputs
+
+    with torch.no_grad():
+        out = unet(**unet_probe_inputs(unet, CPU)).sample
+    assert out.shape == (1, 4, 8, 8) and torch.isfinite(out).all()
+    assert r["drift"]["rel_err"] > 0
+
+
+def test_l1_unstructured_unet():
+    from tests.optim_tiny import tiny_unet
+
+    unet, report = optim.prepare(tiny_unet(), Flags(prune_amount=0.4), CPU, kind="diffusion")
+    r = report["prune"]
+    assert r["applied"] and abs(r["sparsity"] - 0.4) < 0.01 and r["speedup"] == NO_SPEEDUP
+    assert r["params_after"] == r["params_before"]
+
+
+def test_structured_amount_too_small_is_skipped_with_reason():
+    from tests.optim_tiny import tiny_unet
+
+    _, report = optim.prepare(tiny_unet(), Flags(prune_amount=0.1, prune_method="structured"), CPU, kind="diffusion")
+    assert report["prune"]["applied"] is False and "less than one channel" in report["prune"]["reason"]
+
+
+@pytest.mark.gpu
+def test_gpu_structured_pruning_is_faster(testdata):
+    import time
+
+    cuda = torch.device("cuda")
+
+    def bench(G):
+        z = torch.randn(16, G.z_dim, device=cuda)
+        c = torch.zeros(16, G.c_dim, device=cuda)
+        c[:, 0] = 1
+        with torch.no_grad():
+            for _ in range(5):
+                G(z, c)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                G(z, c)
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 20
+
+    base = bench(load_G(testdata, "sg2_cond4_64_fp16").to(cuda))
+    G, report = prepared(testdata, "sg2_cond4_64_fp16", Flags(prune_amount=0.5, prune_method="structured"), device=cuda)
+    assert bench(G) < 0.9 * base, report["prune"]
