@@ -93,8 +93,7 @@ def list_cmd(argv: list[str]) -> int:
 
     print("workloads:")
     for name, w in WORKLOADS.items():
-        extra = f"{w.steps} steps, CFG {w.guidance:g}, " if w.kind == "diffusion" else ""
-        print(f"  {name:<14} {w.description} ({extra}batches {','.join(map(str, w.batches))})")
+        print(f"  {name:<14} {w.description} (batches {','.join(map(str, w.batches))})")
     print("configurations:")
     for c in resolve_configs(WORKLOADS["sd15-512"], list(DEFAULT_CONFIGS)):
         print(f"  {c.name:<11} {c.description.split(':')[0] if c.name.startswith('best') else c.description}")
