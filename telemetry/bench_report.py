@@ -330,7 +330,8 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                 psnr = _f(d.get("psnr_db"))
                 if not _within_drift_budget(r, wl.get("kind", "")):
                     psnr += f" (under {STYLEGAN_PSNR_BUDGET_DB:.0f} dB budget)"
-                row = [f"`{c}`", _ms(r.get("ms_per_image")), speed]
+                name = f"`{c}`" + (f" (= `{r['same_as']}`)" if r.get("same_as") else "")
+                row = [name, _ms(r.get("ms_per_image")), speed]
                 if wl.get("kind") == "diffusion":
                     row += [_f(r.get("it_per_s")), _ms(st.get("text_encoder")), _ms(st.get("denoise")),
                             _ms(st.get("vae_decode"))]
@@ -347,6 +348,9 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                      else ["end-to-end ms/image"])
             head += ["images/s", "peak VRAM GiB", "warm-up s", "PSNR dB", "SSIM", "of floor", "spread %"]
             lines += (_table(head, rows) if rows else ["(no successful configuration at this batch)"]) + [""]
+        ref_errors = {r.get("reference_error") for (ww, _, _), r in m.results.items() if ww == w} - {None}
+        for err in sorted(ref_errors):
+            lines += [f"No drift or floor numbers where the fp32 reference could not run: {err}", ""]
         other = [(c, b, m.results[(w, b, c)]) for b in batches for c in configs
                  if (w, b, c) in m.results and m.results[(w, b, c)].get("status") != "ok"]
         if other:

@@ -240,6 +240,7 @@ class CaseContext:
     drift_fn: DriftFn | None
     references: dict[str, Reference] = field(default_factory=dict)
     workloads_noted: set = field(default_factory=set)
+    reference_errors: dict[str, str] = field(default_factory=dict)    # workload -> why it has no reference
 
     @property
     def ref_dir(self) -> Path:
@@ -543,9 +544,14 @@ def run_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int) -> di
     try:
         ref = _load_reference(ctx, wl)
         capture = ref is None and batch == 1 and _is_reference_config(cfg)
-        if ref is None and not capture:
-            ref = _build_reference(ctx, wl)
-            _store_reference(ctx, wl, ref)
+        if ref is None and not capture and wl.name not in ctx.reference_errors:
+            try:
+                ref = _build_reference(ctx, wl)
+                _store_reference(ctx, wl, ref)
+            except Exception as exc:      # the case still runs: it only loses its drift and floor numbers
+                ctx.reference_errors[wl.name] = str(exc)[:500]
+        if wl.name in ctx.reference_errors and ref is None:
+            row["reference_error"] = ctx.reference_errors[wl.name]
         if ref is not None:
             _note_workload(ctx, wl, ref)
         fn = _stylegan_case if wl.kind == "stylegan" else _diffusion_case
