@@ -637,8 +637,7 @@ def _child_argv(opts: BenchOptions, run_id: str, rates: dict, wl: Workload, cfg_
                       ("--device", opts.device), ("--weights", opts.weights)):
         if val is not None:
             argv += [flag, str(val)]
-    if opts.profile:
-        argv += ["--profile", ",".join(opts.profile)]
+    argv += ["--profile", ",".join(opts.profile) or "none"]
     if opts.strict:
         argv.append("--strict")
     return argv
