@@ -306,7 +306,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
             lines += ["_A tiny harness-check model: these numbers say the tool works, not how fast anything is._", ""]
         if wl.get("baseline"):
             lines += [f"Baseline: {wl['baseline']}. Weights: {wl.get('weights', '?')}."]
-        fl = _flops_line(wl, any_rates)
+        fl = _flops_line(wl, (m.runs.get(wl.get("run_id")) or {}).get("rates") or any_rates)
         if fl:
             lines += [fl]
         lines += [""]
