@@ -1,7 +1,6 @@
 """`python app.py bench` on the CPU with tiny real models: rows on disk, skips and failures that do not stop
 the run, drift and FLOPs, time budgets, isolated cases, and the merged report."""
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path

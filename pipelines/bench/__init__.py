@@ -11,3 +11,6 @@ from `evaluation.drift`, handed in by the CLI (pipelines/ does not import evalua
 """
 from pipelines.bench.runner import BenchOptions, JSONL_NAME, read_rows, run  # noqa: F401
 from pipelines.bench.specs import DEFAULT_CONFIGS, FULL_WORKLOADS, WORKLOADS, resolve_configs  # noqa: F401
+
+__all__ = ["BenchOptions", "JSONL_NAME", "read_rows", "run", "DEFAULT_CONFIGS", "FULL_WORKLOADS", "WORKLOADS",
+           "resolve_configs"]
