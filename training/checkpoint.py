@@ -159,6 +159,8 @@ def save_checkpoint(folder: str | Path, modules: dict[str, torch.nn.Module],
 
 def read_state(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
+    if not folder.exists():
+        raise InputError(f"no checkpoint at {folder}: the folder does not exist")
     path = folder / STATE_FILE if folder.is_dir() else folder
     if path.name != STATE_FILE:
         raise InputError(f"--resume wants a run folder (holding {STATE_FILE}); got {path}")

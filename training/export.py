@@ -98,18 +98,19 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
         Image.fromarray(image_grid(imgs, 8)).save(grid_path)
         paths["grid"] = grid_path
     card = to.with_suffix(".md")
-    card.write_text(model_card(cfg, doc, meta, data_meta, size, grid_path))
+    card.write_text(model_card(cfg, doc, meta, data_meta, size, grid_path, name=to.stem))
     paths["card"] = card
     return paths
 
 
-def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: int, grid_path) -> str:
+def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: int, grid_path,
+               name: str = "model") -> str:
     t = meta["training"]
     mon = meta["monitor"]
     lic = data_meta.get("license", {})
     hours = (t["train_seconds"] or 0) / 3600
     lines = [
-        f"# {Path(str(cfg.out)).name or cfg.preset}: StyleGAN2 generator ({cfg.resolution}x{cfg.resolution})",
+        f"# {name}: StyleGAN2 generator ({cfg.resolution}x{cfg.resolution})",
         "",
         meta["description"] + ".",
         "",

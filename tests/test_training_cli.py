@@ -1,0 +1,88 @@
+"""The trainer end to end on CPU through its CLI and API: WGAN-GP, D:G ratio, counter-measures, errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from training import cli
+from training.config import build_config, finalize
+from training.trainer import Trainer, checkpoint_bytes, build_networks
+
+
+def _data(tmp_path, n=24, res=16):
+    rng = np.random.default_rng(1)
+    x = np.full((n, res, res, 3), 255, np.uint8)
+    for i in range(n):
+        s = rng.integers(3, res // 2)
+        y0, x0 = rng.integers(0, res - s, size=2)
+        x[i, y0:y0 + s, x0:x0 + s] = rng.integers(0, 255, size=3)
+    p = tmp_path / "d.npy"
+    np.save(p, x)
+    return p
+
+
+def test_cli_wgan_gp_with_3_to_1_ratio(tmp_path, capsys):
+    data = _data(tmp_path)
+    out = tmp_path / "wgan"
+    rc = cli.main(["--config", "tiny", "--data", str(data), "--out", str(out), "--kimg", "0.048",
+                   "--loss", "wgan-gp", "--d-steps", "3", "--device", "cpu", "--log-every", "1"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["iterations"] == 2                       # 3 D steps x batch 8 = 24 real images each
+    state = json.loads((out / "state.json").read_text())
+    assert state["config"]["optimizer"] == "wgan-gp" and state["d_updates"] == 6 and state["g_updates"] == 2
+    assert state["optimizers"]["opt_G"]["class"] == "RAdam"
+    assert state["optimizers"]["opt_G"]["param_groups"][0]["betas"] == [0.5 ** (4 / 5), 0.9 ** (4 / 5)]
+    logs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    train_logs = [r for r in logs if r["kind"] == "train"]
+    assert all(r["gp"] is not None and np.isfinite(r["gp"]) for r in train_logs)
+    assert (out / "samples.png").is_file()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--config", "tiny", "--data", "/nonexistent/x.npy"], "not found"),
+    (["--config", "tiny", "--data", "{data}", "--batch", "7", "--device", "cpu"], "multiple of the minibatch"),
+    (["--config", "tiny", "--data", "{data}", "--d-steps", "0", "--device", "cpu"], "D:G ratio"),
+    (["--config", "tiny", "--data", "{data}", "--resume", "{tmp}/none", "--device", "cpu"], "no checkpoint"),
+])
+def test_bad_input_exits_2_with_a_message(tmp_path, capsys, argv, msg):
+    data = _data(tmp_path)
+    argv = [a.format(data=data, tmp=tmp_path) for a in argv] + ["--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_emoji_preset_fits_the_checkpoint_budget():
+    cfg = finalize(build_config("emoji64"), 64)
+    G, D = build_networks(cfg)
+    sizes = checkpoint_bytes(G, D)
+    assert sum(sizes.values()) <= 45 * 2**20
+    assert max(sizes.values()) <= 15 * 2**20
+    assert cfg.batch == 128 and cfg.g_kwargs["fused_modconv_default"] == "inference_only"
+
+
+def test_countermeasures_apply_in_order_and_survive_resume(tmp_path):
+    data = _data(tmp_path)
+    cfg = build_config("tiny", 16, data=str(data), out=str(tmp_path / "cm"), kimg=0.064, device="cpu",
+                       monitor_kimg=0.008, auto_countermeasures=True, monitor_samples=8, batch=8)
+    tr = Trainer(cfg, log=lambda s: None)
+    tr.monitor.settings.d_acc_threshold = -1.0     # every evaluation now reports a winning D
+    tr.monitor.settings.patience = 1
+    tr.run()
+    applied = [a["measure"] for a in tr.monitor.state.applied]
+    assert applied[:3] == ["augment", "dropout", "mbstd"], applied
+    assert tr.runtime["d_dropout"] == 0.3 and isinstance(tr.D.b4.dropout, torch.nn.Dropout)
+    assert tr.runtime["mbstd_group"] == 4 and tr.D.b4.mbstd.group_size == 4
+    assert tr.ada.target == pytest.approx(0.7)
+    monitor_lines = [json.loads(x) for x in (tmp_path / "cm" / "log.jsonl").read_text().splitlines()
+                     if '"monitor"' in x]
+    assert any("countermeasure" in r for r in monitor_lines)
+
+    cfg2 = build_config("tiny", 16, data=str(data), out=str(tmp_path / "cm2"), kimg=0.072, device="cpu")
+    tr2 = Trainer(cfg2, resume=tmp_path / "cm", log=lambda s: None)
+    assert tr2.runtime == tr.runtime and tr2.D.b4.dropout is not None and tr2.D.b4.mbstd.group_size == 4
+    assert tr2.ada.target == pytest.approx(tr.ada.target)
+    assert tr2.cfg.auto_countermeasures is True     # the saved config, not cfg2's default
