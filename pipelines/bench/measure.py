@@ -229,7 +229,8 @@ _KERNEL_CLASSES = (
     ("convolution", ("conv", "implicit", "winograd", "cudnn", "dgrad", "wgrad", "fprop")),
     ("normalization/reduction", ("norm", "reduce", "welford", "mean", "sum")),
     ("copy/layout", ("copy", "memcpy", "memset", "transpose", "permute", "cat", "nchw", "nhwc")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "silu", "gelu", "mul", "add")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "silu", "gelu", "relu", "lrelu", "clamp",
+                     "tanh", "sigmoid", "mul", "add", "div", "sub")),
 )
 
 
@@ -256,27 +257,31 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 10) -> 
         fn()
         sync(device)
         wall = (time.perf_counter() - t0) * 1e3
-    events = list(prof.key_averages())
+    # name -> [microseconds, calls]. On a GPU: every kernel / memcpy / memset the device ran, from its own
+    # start and end times (robust to how the profiler attributes device time to host operators). On a CPU
+    # there are no kernels: the leaf operators' own time is the closest thing.
+    per_name: dict[str, list[float]] = {}
     if device.type == "cuda":
-        kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
-        if not kernels:
-            kernels = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
-        key = lambda e: float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
+        for e in prof.events():
+            if getattr(e, "device_type", None) == DeviceType.CUDA:
+                acc = per_name.setdefault(e.name, [0.0, 0])
+                acc[0] += float(e.time_range.elapsed_us())
+                acc[1] += 1
     else:
-        # On a CPU there are no kernels: the leaf operators' own time is the closest thing.
-        kernels = [e for e in events if e.key.startswith("aten::")]
-        key = lambda e: float(e.self_cpu_time_total)
-    total_us = sum(key(e) for e in kernels)
+        for e in prof.key_averages():
+            if e.key.startswith("aten::"):
+                per_name[e.key] = [float(e.self_cpu_time_total), int(e.count)]
+    total_us = sum(v[0] for v in per_name.values())
     classes: dict[str, float] = {}
-    for e in kernels:
-        classes[kernel_class(e.key)] = classes.get(kernel_class(e.key), 0.0) + key(e) / 1e3
-    ranked = sorted(kernels, key=key, reverse=True)[:top]
+    for name, (us, _) in per_name.items():
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + us / 1e3
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "wall_ms": wall,
         "device_busy_ms": total_us / 1e3,
         "busy_fraction": (total_us / 1e3) / wall if wall > 0 else None,
-        "kernel_launches": int(sum(e.count for e in kernels)),
+        "kernel_launches": int(sum(v[1] for v in per_name.values())),
         "by_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
-        "top": [{"name": e.key[:160], "class": kernel_class(e.key), "ms": key(e) / 1e3, "calls": int(e.count),
-                 "pct": (100.0 * key(e) / total_us) if total_us else None} for e in ranked],
+        "top": [{"name": name[:160], "class": kernel_class(name), "ms": us / 1e3, "calls": int(n),
+                 "pct": (100.0 * us / total_us) if total_us else None} for name, (us, n) in ranked],
     }
