@@ -257,3 +257,15 @@ def test_a_configuration_with_the_same_flags_is_measured_once(tmp_path):
     res = results(tmp_path)
     assert res[("best", 1)]["same_as"] == "bf16" and res[("best", 1)]["ms_per_image"] == res[("bf16", 1)]["ms_per_image"]
     assert [r["config"] for r in rows_of(tmp_path, "start")] == ["bf16"]
+
+
+def test_real_weights_of_a_conditional_network(testdata, tmp_path):
+    pkl = testdata / "stylegan" / "sg2_cond4_64_fp16.pkl"
+    rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "baseline,fp32", "--batches", "1", "--repeats", "1",
+               "--weights", pkl, "--profile", "none", "--no-report")
+    assert rc == 0
+    res = results(tmp_path)
+    assert all(r["status"] == "ok" for r in res.values()), [r.get("reason") for r in res.values()]
+    assert res[("fp32", 1)]["e2e_ms_per_image"] > 0          # through generate(): class 0 of the 4 classes
+    wl = rows_of(tmp_path, "workload")[0]
+    assert wl["weights"] == str(pkl) and wl["params"]["generator"] > 10_000

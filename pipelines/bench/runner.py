@@ -314,8 +314,11 @@ def _stylegan_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int,
     t0 = time.perf_counter()
     loaded = build.stylegan_generator(wl, device, opts.seed, fp32_layers=cfg.fp32_layers, weights=opts.weights)
     G = loaded.G
+    class_index = 0 if G.c_dim > 0 else None          # a conditional model (real weights) draws class 0
     if cfg.is_baseline:
         c = torch.zeros([batch, G.c_dim], device=device)
+        if class_index is not None:
+            c[:, class_index] = 1
         call = lambda z: G(z, c, truncation_psi=1.0, noise_mode="const")   # noqa: E731
         row["optimizations"] = {"baseline": {"applied": True, "reason": wl.baseline}}
         pipe = None
@@ -324,8 +327,8 @@ def _stylegan_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int,
         row["optimizations"] = pipe.optimizations
         check_applied(cfg.flags, pipe.optimizations)
         params = StyleGANParams(seeds=tuple(range(opts.seed, opts.seed + batch)), truncation_psi=1.0,
-                                noise_mode="const", batch_size=batch)
-        c = pipe._label(None, batch)
+                                noise_mode="const", class_index=class_index, batch_size=batch)
+        c = pipe._label(class_index, batch)
         call = lambda z: pipe._synthesize(z, c, params)                      # noqa: E731
     sync(device)
     row["prepare_s"] = time.perf_counter() - t0
