@@ -12,7 +12,7 @@ gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client, handle_file  # noqa: E402
 
 from core.pnginfo import read_png_params  # noqa: E402
-from tests.ui_helpers import SG_COND, SG_UNCOND, running_studio  # noqa: E402
+from tests.ui_helpers import SG_COND, SG_UNCOND, running_studio, tiny_sd_folder  # noqa: E402
 
 MEM_FIGURE = re.compile(r"\d+(\.\d+)? (KiB|MiB|GiB)")
 
@@ -28,20 +28,25 @@ def client(studio):
     return Client(studio.local_url, verbose=False)
 
 
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    return tiny_sd_folder(tmp_path_factory)
+
+
 def gallery_paths(gallery) -> list[str]:
     return [item["image"] for item in gallery]
 
 
-def wait_for_step(c: Client, min_step: int = 2, timeout: float = 60.0) -> int:
+def wait_for_step(c: Client, min_step: int = 2, timeout: float = 120.0) -> int:
     """Poll the panel (as the browser's timer does) until this session's job reports `min_step` steps."""
-    t0 = time.time()
+    t0, progress = time.time(), ""
     while time.time() - t0 < timeout:
         progress = c.predict(api_name="/telemetry")[5]
         m = re.search(r"step (\d+)/(\d+)", progress)
         if m and int(m.group(1)) >= min_step:
             return int(m.group(1))
         time.sleep(0.1)
-    raise AssertionError(f"the job never reached step {min_step}")
+    raise AssertionError(f"the job never reached step {min_step} in {timeout:.0f} s; progress: {progress}")
 
 
 def test_every_event_is_named(studio, client):
@@ -146,6 +151,36 @@ def test_sessions_do_not_see_or_stop_each_other(studio):
         a.predict(api_name="/stop")
         out = job.result(timeout=30)
     assert "Stopped" in out[2]
+
+
+def test_diffusion_generate_with_previews_then_stop(client, tiny_sd):
+    _dropdown, status = client.predict(str(tiny_sd), "diffusion", api_name="/add_model")
+    assert "Added" in status
+    job = client.submit(backend="diffusion", model=str(tiny_sd), prompt="a red fox", negative_prompt="blurry",
+                        seed="3", steps=6, size="64x64", preview_every=2, api_name="/generate")
+    gallery, *_ = job.result(timeout=120)
+    previews = [o[1]["value"] for o in job.outputs() if isinstance(o[1], dict) and o[1].get("value")]
+    assert previews, "no preview image was streamed while denoising"
+    [path] = gallery_paths(gallery)
+    meta = read_png_params(path)
+    assert (meta["backend"], meta["prompt"], meta["negative_prompt"], meta["seed"], meta["steps"]) == \
+        ("diffusion", "a red fox", "blurry", 3, 6)
+    assert (meta["width"], meta["height"]) == (64, 64)
+
+    job = client.submit(backend="diffusion", model=str(tiny_sd), prompt="a red fox", seed="3", steps=150,
+                        size="64x64", api_name="/generate")
+    wait_for_step(client, 2)
+    client.predict(api_name="/stop")
+    out = job.result(timeout=60)
+    assert re.search(r"Stopped at step \d+/\d+", out[2]), out[2]
+
+
+def test_diffusion_without_a_model_name_uses_a_diffusion_model(client, tiny_sd):
+    """An API call naming only the backend carries the StyleGAN picker's value: it must not be used."""
+    client.predict(str(tiny_sd), "diffusion", api_name="/add_model")
+    gallery = client.predict(backend="diffusion", prompt="a cat", seed="1", steps=2, size="64x64",
+                             api_name="/generate")[0]
+    assert read_png_params(gallery_paths(gallery)[0])["backend"] == "diffusion"
 
 
 def test_metrics_endpoint(studio, client):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.pnginfo import read_png_params
-from tests.ui_helpers import running_studio
+from tests.ui_helpers import running_studio, tiny_sd_folder
 
 pytestmark = pytest.mark.browser
 
@@ -83,7 +83,7 @@ def progress(page) -> str:
     return page.inner_text("#progress-box")
 
 
-def wait_progress(page, pattern: str, timeout: float = 60.0) -> re.Match:
+def wait_progress(page, pattern: str, timeout: float = 120.0) -> re.Match:
     t0 = time.time()
     while time.time() - t0 < timeout:
         m = re.search(pattern, progress(page))
@@ -93,7 +93,7 @@ def wait_progress(page, pattern: str, timeout: float = 60.0) -> re.Match:
     raise AssertionError(f"progress never matched {pattern!r}; it reads {progress(page)!r}")
 
 
-def wait_step(page, at_least: int, timeout: float = 60.0) -> int:
+def wait_step(page, at_least: int, timeout: float = 120.0) -> int:
     t0 = time.time()
     while time.time() - t0 < timeout:
         m = re.search(r"step (\d+)/(\d+)", progress(page))
@@ -127,13 +127,44 @@ def test_stable_ids_and_backend_switch(page):
     page.wait_for_function("!" + visible("#stylegan-controls"))
     page.wait_for_function("document.querySelector('#seed-input').innerText.includes('empty = random')")
     page.wait_for_function("!document.querySelector('#model-select input').value.includes('sg2_uncond')")
-    fill(page, "prompt-input", "a watercolor fox in a misty forest, soft light")
-    shot(page, "studio-diffusion.png")
     page.locator("#backend-select label", has_text="StyleGAN").click()
     page.wait_for_function(visible("#stylegan-controls"))
     page.wait_for_function("document.querySelector('#model-select input').value.includes('sg2_uncond')")
-    # the optimization panel says what runs here (precision only until the toggles report themselves)
-    assert "Precision" in page.inner_text("#optimization-panel")
+    # the optimization panel lists the toggles; one that cannot run here is disabled with its reason
+    opt = page.inner_text("#optimization-panel")
+    assert "Precision" in opt
+    if page.locator("#opt-fp8").count():
+        fp8 = page.locator("#opt-fp8 input[type=checkbox]")
+        import torch
+
+        if not torch.cuda.is_available():
+            assert fp8.is_disabled() and "FP8 needs" in page.inner_text("#opt-fp8")
+
+
+def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
+    tiny = tiny_sd_folder(tmp_path_factory)
+    page.locator("#backend-select label", has_text="Diffusion").click()
+    page.locator("#prompt-input textarea").wait_for(state="visible")
+    page.locator("#add-model").get_by_text("Add a model").click()
+    fill(page, "add-model-input", str(tiny))
+    page.click("#add-model-btn")
+    page.wait_for_function(f"document.querySelector('#model-select input').value.includes('{tiny.name}')")
+    fill(page, "prompt-input", "a watercolor fox in a misty forest, soft light")
+    fill(page, "negative-prompt-input", "blurry, low quality")
+    set_number(page, "steps-input", 8)
+    size = page.locator("#size-select input")
+    size.fill("64x64")
+    size.press("Enter")
+    page.click("#seed-dice")
+    page.wait_for_function("/^\\d+$/.test(document.querySelector('#seed-input textarea').value)")
+    page.click("#generate-btn")
+    wait_progress(page, r"Done: 1 image")
+    page.wait_for_function("document.querySelectorAll('#output-gallery img').length === 1")
+    params = page.inner_text("#selected-params")
+    assert "watercolor fox" in params and "diffusion" in params
+    assert re.search(r'"width"\s*:\s*64', params), params
+    page.wait_for_function("document.querySelector('#latency-readout').innerText.includes('denoise')")
+    shot(page, "studio-diffusion.png")
 
 
 def test_generate_shows_images_latency_and_memory(page):

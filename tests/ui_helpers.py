@@ -32,3 +32,17 @@ def running_studio(tmp: Path, models=(SG_UNCOND, SG_COND), **settings_kw):
         yield demo
     finally:
         demo.close()
+
+
+def tiny_sd_folder(tmp_path_factory) -> Path:
+    """A tiny Stable Diffusion 1.x folder (random weights, 64 px), built once per test session."""
+    import pytest
+
+    pytest.importorskip("diffusers")
+    from tests.diffusion_tiny import build_tiny_sd
+
+    folder = tmp_path_factory.getbasetemp() / "ui-tiny-sd" / "tiny-sd"
+    if not (folder / "model_index.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        build_tiny_sd(folder)
+    return folder

@@ -80,11 +80,11 @@ def _opt_int(v) -> int | None:
 
 def flags_from_controls(precision: str = "fp32", channels_last: bool = False, attention: str = "sdpa",
                         compile_mode: str = "off", fp8: bool = False, prune_amount: float = 0.0,
-                        tensorrt: bool = False, memory_savers=()) -> OptimizationFlags:
+                        tensorrt: bool = False, memory_savers=(), prune_method: str = "l1-unstructured") -> OptimizationFlags:
     return OptimizationFlags(precision=precision or "fp32", channels_last=bool(channels_last),
                              attention=attention or "sdpa", compile=compile_mode or "off", fp8=bool(fp8),
-                             prune_amount=float(prune_amount or 0.0), tensorrt=bool(tensorrt),
-                             memory=tuple(memory_savers or ()))
+                             prune_amount=float(prune_amount or 0.0), prune_method=prune_method or "l1-unstructured",
+                             tensorrt=bool(tensorrt), memory=tuple(memory_savers or ()))
 
 
 def stylegan_params(seed_text: str, psi: float, cutoff, noise_mode: str, class_index, batch_size) -> StyleGANParams:
@@ -159,7 +159,8 @@ def job_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
     Raises InputError with a message for the artist when a value is out of range."""
     flags = flags_from_controls(v.get("precision", "fp32"), v.get("channels_last", False), v.get("attention", "sdpa"),
                                 v.get("compile_mode", "off"), v.get("fp8", False), v.get("prune_amount", 0.0),
-                                v.get("tensorrt", False), v.get("memory_savers", ()))
+                                v.get("tensorrt", False), v.get("memory_savers", ()),
+                                v.get("prune_method", "l1-unstructured"))
     backend = v.get("backend") or "stylegan"
     model = (v.get("model") or "").strip() or None
     if backend == "diffusion":
@@ -258,6 +259,6 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
     if isinstance(flags, dict):
         f = OptimizationFlags.from_dict(flags)
         out.update(precision=f.precision, channels_last=f.channels_last, attention=f.attention,
-                   compile_mode=f.compile, fp8=f.fp8, prune_amount=f.prune_amount, tensorrt=f.tensorrt,
-                   memory_savers=list(f.memory))
+                   compile_mode=f.compile, fp8=f.fp8, prune_amount=f.prune_amount, prune_method=f.prune_method,
+                   tensorrt=f.tensorrt, memory_savers=list(f.memory))
     return out

@@ -158,7 +158,7 @@ class StudioRuntime:
         msg = f"Done: {n} {what} in {total_ms / 1000:.2f} s" if spec.kind in ("images", "diffusion") else f"Done: {what} in {total_ms / 1000:.2f} s"
         if len(items) > MAX_GALLERY:
             msg += f" (showing the first {MAX_GALLERY}; all saved in {Path(items[0].path).parent})"
-        notes = list(getattr(result, "notes", []) or [])
+        notes = list(getattr(result, "notes", []) or []) + skipped_toggles(spec.request.flags, getattr(result, "optimizations", None))
         if notes:
             msg += " — " + "; ".join(notes)
         peak = getattr(result, "peak_memory_bytes", None)
@@ -215,3 +215,14 @@ class StudioRuntime:
                     "space": spec.space, "fps": spec.fps, "frames": len(frames)}
             return [ResultItem(str(path), meta, f"{len(frames)} frames through seeds {seeds}")], None
         raise AtelierError(f"unknown job kind {spec.kind!r}")
+
+
+def skipped_toggles(flags, report: dict | None) -> list[str]:
+    """'fp8 not applied: <reason>' for every toggle the request asked for that did not run."""
+    if not report:
+        return []
+    asked = {"precision": flags.precision != "fp32", "channels_last": flags.channels_last,
+             "attention": flags.attention != "sdpa", "compile": flags.compile != "off", "fp8": flags.fp8,
+             "prune": flags.prune_amount > 0, "tensorrt": flags.tensorrt, "memory": bool(flags.memory)}
+    return [f"{name} not applied: {rep.get('reason', 'no reason given')}" for name, rep in report.items()
+            if asked.get(name) and isinstance(rep, dict) and not rep.get("applied", True)]

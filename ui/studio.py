@@ -44,7 +44,7 @@ CONTROL_NAMES = (
     "sg_batch_size", "mix_rows", "mix_cols", "mix_from", "mix_to", "frames_per_seed", "interp_space",
     "animation_format", "fps", "prompt", "negative_prompt", "steps", "guidance", "size", "scheduler", "batch_size",
     "init_image", "strength", "preview_every", "precision", "channels_last", "attention", "compile_mode", "fp8",
-    "prune_amount", "tensorrt", "memory_savers",
+    "prune_amount", "prune_method", "tensorrt", "memory_savers",
 )
 OPTIONAL_TOGGLES = ("channels_last", "attention", "compile", "fp8", "prune", "tensorrt", "memory")
 
@@ -131,6 +131,17 @@ def _diffusion_defaults(services: Services, model_id: str | None) -> dict | None
         return None
 
 
+def _model_for_backend(services: Services, backend: str, model: str | None) -> str | None:
+    """The model to request; None (the backend's default) when `model` is one of the other backend's
+    models, which is what an API call that names only `backend` carries (the picker's initial value)."""
+    if not model:
+        return None
+    other = "diffusion" if backend == "stylegan" else "stylegan"
+    theirs = {ref for e in services.catalogue.entries(other) for ref in (e.id, e.path) if ref}
+    ours = {ref for e in services.catalogue.entries(backend) for ref in (e.id, e.path) if ref}
+    return None if (model in theirs and model not in ours) else model
+
+
 def _gallery_value(items) -> list[tuple[str, str]]:
     return [(it.path, it.caption) for it in items[:MAX_GALLERY]]
 
@@ -212,7 +223,7 @@ def build_app(services: Services) -> gr.Blocks:
                     C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1, elem_id="negative-prompt-input",
                                                       placeholder="blurry, low quality")
                     with gr.Row():
-                        C["steps"] = gr.Slider(1, 100, value=25, step=1, label="Steps", elem_id="steps-input")
+                        C["steps"] = gr.Slider(1, 150, value=25, step=1, label="Steps", elem_id="steps-input")
                         C["guidance"] = gr.Slider(0.0, 20.0, value=7.0, step=0.5, label="Guidance", elem_id="guidance-input")
                     with gr.Row():
                         C["size"] = gr.Dropdown(list(SIZE_PRESETS), value=SIZE_PRESETS[0], label="Size",
@@ -360,11 +371,13 @@ def build_app(services: Services) -> gr.Blocks:
                      mix_to=None, frames_per_seed=None, interp_space=None, animation_format=None, fps=None, prompt=None,
                      negative_prompt=None, steps=None, guidance=None, size=None, scheduler=None, batch_size=None,
                      init_image=None, strength=None, preview_every=None, precision=None, channels_last=None,
-                     attention=None, compile_mode=None, fp8=None, prune_amount=None, tensorrt=None, memory_savers=None,
+                     attention=None, compile_mode=None, fp8=None, prune_amount=None, prune_method=None, tensorrt=None,
+                     memory_savers=None,
                      sess: SessionState = None, request: gr.Request = None):
             """Generate images with the StyleGAN or diffusion backend; yields progress, ends with the gallery."""
             # None = not given (the API's optional parameters): job_spec applies the defaults
             v = {k: val for k, val in locals().items() if k in CONTROL_NAMES and val is not None}
+            v["model"] = _model_for_backend(services, v.get("backend") or "stylegan", v.get("model"))
             rt.remember(getattr(request, "session_hash", None), sess)
             try:
                 spec = job_spec(v, settings.device)
@@ -553,8 +566,11 @@ def _toggle_controls(C: dict, avail: dict[str, tuple[bool, str]]) -> None:
     vis, ok, why = state("fp8")
     C["fp8"] = gr.Checkbox(False, label="FP8 linear layers", visible=vis, interactive=ok, info=why, elem_id="opt-fp8")
     vis, ok, why = state("prune")
-    C["prune_amount"] = gr.Slider(0.0, 0.9, value=0.0, step=0.05, label="Pruning amount", visible=vis,
-                                  interactive=ok, info=why, elem_id="opt-prune")
+    with gr.Row(visible=vis):
+        C["prune_amount"] = gr.Slider(0.0, 0.9, value=0.0, step=0.05, label="Pruning", visible=vis,
+                                      interactive=ok, info=why, elem_id="opt-prune", scale=3)
+        C["prune_method"] = gr.Radio(["l1-unstructured", "structured"], value="l1-unstructured", label="Method",
+                                     visible=vis, interactive=ok, elem_id="opt-prune-method", scale=2)
     vis, ok, why = state("tensorrt")
     C["tensorrt"] = gr.Checkbox(False, label="TensorRT engine", visible=vis, interactive=ok, info=why,
                                 elem_id="opt-tensorrt")
