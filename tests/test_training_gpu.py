@@ -41,3 +41,21 @@ def test_fast_path_trains_saves_and_resumes(tmp_path, precision, where):
     assert tr2.run()["iterations"] == 30
     for p in tr2.G.parameters():
         assert torch.isfinite(p).all()
+
+
+def test_inner_loop_never_waits_for_the_gpu(tmp_path):
+    """No host synchronisation inside iterations (bf16, data on the GPU): CUDA's sync debug mode raises."""
+    cfg = build_config("emoji64", data=_data(tmp_path), out=str(tmp_path / "s"), kimg=10, batch=32,
+                       progress=False, r1_interval=2, pl_interval=2, ada_interval=1)
+    tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
+    for _ in range(3):              # warm-up: cuDNN autotuning and lazy initialisation may sync
+        tr.iteration()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):          # covers R1, path length, ADA updates and EMA
+            tr.iteration()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(tr.stats).all()

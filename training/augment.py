@@ -87,6 +87,9 @@ class AugmentPipe(torch.nn.Module):
         self.pipe = pipe
         self.ops = dict(PIPES[pipe])
         self.register_buffer("p", torch.tensor(float(p)))
+        # The grey (luma) axis, kept as a buffer: building it per call with torch.tensor(...)
+        # would be a host-to-device copy, which synchronises the GPU stream every step.
+        self.register_buffer("luma", torch.tensor([1.0, 1.0, 1.0, 0.0]) / math.sqrt(3), persistent=False)
         self.xint_max = xint_max
         self.scale_std = scale_std
         self.rotate_max = rotate_max
@@ -138,7 +141,7 @@ class AugmentPipe(torch.nn.Module):
         """[N, 4, 4] acting on homogeneous RGB."""
         C = _eye(4, n, device)
         ops = self.ops
-        v = torch.tensor([1, 1, 1, 0], device=device, dtype=torch.float32) / math.sqrt(3)   # luma axis
+        v = self.luma.to(device)
         vv = torch.outer(v, v)
         if ops.get("brightness"):
             b = torch.randn(n, device=device) * self.brightness_std * self._on("brightness", n, device)

@@ -209,6 +209,10 @@ class Trainer:
         self.G_train = dist_utils.wrap(self.G_step, self.dist)
         self.D_train = dist_utils.wrap(self.D, self.dist)
         self.D_frozen = self.D                       # G phase: gradients reach the images, not D
+        # The lazy R1 / path-length steps need double backward, which compiled graphs do not
+        # support: they always run the eager modules.
+        self.G_reg = self.G_train
+        self.D_reg = self.D_train
         if cfg.compile:
             self.G_train = torch.compile(self.G_train)
             self.D_train = torch.compile(self.D_train)
@@ -364,7 +368,7 @@ class Trainer:
             self._backward(loss_real.mean(), self.scaler_D)
         if wgan:
             with self._autocast():
-                gp, gp_logits = losses.gradient_penalty(self.D_train, real_aug, fake_aug)
+                gp, gp_logits = losses.gradient_penalty(self.D_reg, real_aug, fake_aug)
             self._backward((gp * cfg.gp_lambda + gp_logits.float().flatten() * 0).mean(), self.scaler_D)
             self.stats[8] += gp.detach().sum()
             self.stats[9] += b
@@ -378,7 +382,9 @@ class Trainer:
             self.stats[10] += acc_r
             self.stats[11] += acc_f
             self.stats[12] += b
-            self.acc_since_monitor += torch.stack([acc_r, acc_f, torch.tensor(float(b), device=self.device)])
+            self.acc_since_monitor[0] += acc_r
+            self.acc_since_monitor[1] += acc_f
+            self.acc_since_monitor[2] += b       # a Python scalar: no host-to-device copy, no sync
             if self.ada is not None:
                 self.ada.accumulate(real_logits)
 
@@ -387,7 +393,7 @@ class Trainer:
         self.opt_D.zero_grad(set_to_none=True)
         real_aug = self._augment(real).detach().requires_grad_(True)
         with self._autocast():
-            logits = self.D_train(real_aug)
+            logits = self.D_reg(real_aug)
         penalty = losses.r1_penalty(real_aug, logits)
         gamma = cfg.r1_gamma_value()
         loss = penalty * (gamma / 2) * cfg.r1_interval + logits.float().flatten() * 0
@@ -420,7 +426,7 @@ class Trainer:
         self.opt_G.zero_grad(set_to_none=True)
         z = torch.randn(b, self.G.z_dim, device=self.device)
         with self._autocast():
-            img, ws = self.G_train(z, self.c_empty[:b])
+            img, ws = self.G_reg(z, self.c_empty[:b])
         penalty = losses.path_length_penalty(img, ws, self.pl_mean, cfg.pl_decay)
         loss = penalty * cfg.pl_weight * cfg.pl_interval + img[:, 0, 0, 0].float() * 0
         self._backward(loss.mean(), self.scaler_G)
