@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_from_args(ns)
             configs = args.bench_configs.split(",") if args.bench_configs else None
             report = run_bench(cfg, seconds=args.bench, with_compile=args.bench_compile, configs=configs)
+            if os.environ.get("RANK", "0") != "0":
+                return 0
             text = json.dumps(report, indent=1)
             print(text)
             Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -118,6 +118,8 @@ def run_bench(cfg: TrainConfig, seconds: float = 30.0, with_compile: bool = Fals
         for r in results.values():
             r["speedup_vs_plain_fp32"] = round(r["img_s"] / base, 2)
     dev = info.device
+    if info.enabled:
+        dist_utils.cleanup()
     return {"configs": results, "world_size": info.world_size, "batch": cfg.batch or "preset",
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "torch": torch.__version__, "seconds_each": seconds}
