@@ -9,3 +9,6 @@ metadata and the UI can say what really ran. See docs/optimizations.md.
 from optim.compile import FIRST_RUN_STATUS, is_first_run, set_status_callback  # noqa: F401
 from optim.registry import availability, prepare, requested_toggles, runtime  # noqa: F401
 from optim.report import NAMES  # noqa: F401
+
+__all__ = ["prepare", "runtime", "availability", "requested_toggles", "is_first_run", "set_status_callback",
+           "FIRST_RUN_STATUS", "NAMES"]

@@ -271,15 +271,16 @@ def structured_unet(unet: torch.nn.Module, amount: float, device: torch.device) 
 def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleReport:
     amount, method = float(flags.prune_amount), flags.prune_method
     base = {"method": method, "amount": amount}
+    module = target.root if target.kind == "stylegan" else target.get("unet")
+    # Where the weights are now (with CPU offload that is the CPU, not the request's device).
+    dev = next(module.parameters()).device
     if target.kind == "stylegan":
-        module = target.root
-        probe = _stylegan_probe(module, ctx.device)
+        probe = _stylegan_probe(module, dev)
         what = "stylegan"
     else:
-        module = target.get("unet")
         if not hasattr(module, "config"):
             return skipped("pruning needs a diffusers UNet (with .config) to build probe inputs", **base)
-        probe = _unet_probe(module, ctx.device)
+        probe = _unet_probe(module, dev)
         what = "unet"
     if method == "structured" and what == "unet" and not has_package("torch_pruning"):
         return skipped("structured UNet pruning needs torch-pruning (pip install torch-pruning)", **base)
@@ -292,7 +293,7 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
         elif what == "stylegan":
             details = structured_stylegan(module, amount)
         else:
-            details = structured_unet(module, amount, ctx.device)
+            details = structured_unet(module, amount, dev)
     except (NotImplementedError, ValueError) as exc:
         return skipped(f"could not prune this model: {exc}", **base)
     out = probe()
