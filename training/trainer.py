@@ -199,8 +199,13 @@ class Trainer:
             for m in (self.G, self.D, self.G_ema):
                 m.to(memory_format=torch.channels_last)
                 for sub in m.modules():
+                    # Blocks keep their activations channels_last. The 4x4 synthesis block starts
+                    # from a 3-D learned constant, which has no channels_last form (older
+                    # models/stylegan2.py fails there); it is tiny, so it stays NCHW.
+                    if getattr(sub, "in_channels", None) == 0 and hasattr(sub, "const"):
+                        continue
                     if hasattr(sub, "channels_last") and isinstance(sub.channels_last, bool):
-                        sub.channels_last = True       # blocks keep activations channels_last
+                        sub.channels_last = True
         if cfg.grad_checkpointing:
             syn = self.G.synthesis
             _checkpoint_blocks(syn, [n for n, _ in syn.named_children() if n.startswith(("b", "L"))])
