@@ -86,3 +86,25 @@ def test_countermeasures_apply_in_order_and_survive_resume(tmp_path):
     assert tr2.runtime == tr.runtime and tr2.D.b4.dropout is not None and tr2.D.b4.mbstd.group_size == 4
     assert tr2.ada.target == pytest.approx(tr.ada.target)
     assert tr2.cfg.auto_countermeasures is True     # the saved config, not cfg2's default
+
+
+def test_sigterm_stops_at_a_log_point_with_a_checkpoint(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    data = _data(tmp_path)
+    out = tmp_path / "sig"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "training.cli", "--config", "tiny", "--data", str(data),
+                             "--out", str(out), "--kimg", "1000", "--device", "cpu", "--log-every", "1"],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "log.jsonl").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.terminate()
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert json.loads(stdout.strip().splitlines()[-1])["stop_reason"] == "stop requested"
+    assert (out / "state.json").is_file() and (out / "samples.png").is_file()

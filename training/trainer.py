@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -690,6 +691,18 @@ class Trainer:
             k = every_kimg * 1000
             return int(after // k) > int(before // k)
 
+        # SIGTERM / Ctrl-C (e.g. the Train tab's Stop button) ends the run at the next log point
+        # with a normal checkpoint, instead of losing everything since the last snapshot.
+        self._stop_requested = False
+        previous = {}
+
+        def request_stop(signum, frame):
+            self._stop_requested = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[sig] = signal.signal(sig, request_stop)
+            except ValueError:      # not the main thread: the caller handles stopping
+                pass
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         t_piece = time.time()
@@ -727,13 +740,15 @@ class Trainer:
                 decision = None
                 if self.is_main:
                     elapsed = now - self.t_start
-                    if budget is not None and elapsed + interval_seconds + cfg.reserve_seconds >= budget:
+                    if self._stop_requested:
+                        decision = "signal"
+                    elif budget is not None and elapsed + interval_seconds + cfg.reserve_seconds >= budget:
                         decision = "stop"
                     elif cfg.snapshot_minutes > 0 and now - last_snapshot_time >= cfg.snapshot_minutes * 60:
                         decision = "snapshot"
                 decision = dist_utils.broadcast_object(decision, self.dist)
-                if decision == "stop":
-                    stop_reason = "time budget"
+                if decision in ("stop", "signal"):
+                    stop_reason = "time budget" if decision == "stop" else "stop requested"
                     break
                 if decision == "snapshot":
                     snapshot_due = True
@@ -745,6 +760,8 @@ class Trainer:
                 last_snapshot_time = time.time()
         if bar is not None:
             bar.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         # Make sure the saved state has no half-interval stats (they are per-log, not part of training).
