@@ -116,6 +116,7 @@ class JobTracker:
             self._ended = time.perf_counter()
             self._stage_ms = dict(timings_ms)
             self._job = None
+            self._preview = None        # the job is over: do not keep its last preview image alive
             if state == DONE:
                 # only a finished job replaces "the last job's latency": a stopped one would read as fast
                 self._last_stage_ms = dict(timings_ms)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +49,10 @@ def wait_for_step(c: Client, min_step: int = 2, timeout: float = 120.0) -> int:
             return int(m.group(1))
         time.sleep(0.1)
     raise AssertionError(f"the job never reached step {min_step} in {timeout:.0f} s; progress: {progress}")
+
+
+def test_listens_on_localhost_by_default(studio):
+    assert studio.server_name == "127.0.0.1"
 
 
 def test_every_event_is_named(studio, client):
@@ -109,6 +115,13 @@ def test_style_mix_and_interpolation(client):
     [anim] = gallery_paths(gallery)
     im = Image.open(anim)
     assert im.format == "GIF" and getattr(im, "n_frames", 1) == 6
+    pytest.importorskip("imageio_ffmpeg")
+    gallery = client.predict(backend="stylegan", sg_mode="interpolate", seed="0,1", frames_per_seed=4,
+                             animation_format="mp4", api_name="/generate")[0]
+    [item] = gallery
+    video = item.get("video") or item.get("image")
+    video = video["video"] if isinstance(video, dict) else video
+    assert str(video).endswith(".mp4") and Path(video).stat().st_size > 0
 
 
 def test_conditional_model_and_clear_errors(client):
@@ -207,3 +220,14 @@ def test_full_queue_is_refused_with_a_clear_message(tmp_path, testdata):
         assert "Stopped" in running.result(timeout=30)[2]
         gallery = c.predict(backend="stylegan", seed="4", api_name="/generate")[0]   # room again
         assert len(gallery) == 1
+
+
+def test_auth_is_required_when_set(tmp_path, testdata):
+    with running_studio(tmp_path, auth=("artist", "s3cret")) as demo:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(demo.local_url + "config", timeout=10)
+        assert refused.value.code == 401
+        with pytest.raises(Exception):
+            Client(demo.local_url, verbose=False).predict(api_name="/telemetry")
+        ok = Client(demo.local_url, auth=("artist", "s3cret"), verbose=False)
+        assert MEM_FIGURE.search(ok.predict(api_name="/telemetry")[1])

@@ -46,13 +46,14 @@ def browser():
         b.close()
 
 
-def open_page(browser, studio):
+def open_page(browser, studio, query: str = ""):
     ctx = browser.new_context(viewport={"width": 1400, "height": 900})
     page = ctx.new_page()
     page.set_default_timeout(30_000)
-    page.goto(studio.local_url)
+    page.goto(studio.local_url + query)
     page.wait_for_selector("#generate-btn")
-    page.wait_for_function("document.querySelector('#device-readout') !== null")
+    page.wait_for_function("document.querySelector('#device-readout') !== null"
+                           " && document.querySelector('#output-gallery') !== null")
     return page
 
 
@@ -117,8 +118,8 @@ def visible(selector: str) -> str:
 
 
 def test_stable_ids_and_backend_switch(page):
-    for elem_id in STABLE_IDS:
-        assert page.locator(f"#{elem_id}").count() >= 1, f"#{elem_id} is missing"
+    for elem_id in STABLE_IDS:     # (the page mounts in pieces: wait for each, then it must be there)
+        page.locator(f"#{elem_id}").first.wait_for(state="attached", timeout=15_000)
     page.wait_for_function(visible("#stylegan-controls"))
     assert not page.locator("#prompt-input").is_visible()
     page.wait_for_function("document.querySelector('#model-select input').value.includes('sg2_uncond_32')")
@@ -131,14 +132,18 @@ def test_stable_ids_and_backend_switch(page):
     page.wait_for_function(visible("#stylegan-controls"))
     page.wait_for_function("document.querySelector('#model-select input').value.includes('sg2_uncond')")
     # the optimization panel lists the toggles; one that cannot run here is disabled with its reason
-    opt = page.inner_text("#optimization-panel")
-    assert "Precision" in opt
+    page.locator("#optimization-panel").get_by_text("Optimization").first.click()
+    page.locator("#precision-select").wait_for(state="visible")
+    assert "Precision" in page.inner_text("#optimization-panel")
     if page.locator("#opt-fp8").count():
-        fp8 = page.locator("#opt-fp8 input[type=checkbox]")
         import torch
 
-        if not torch.cuda.is_available():
+        fp8 = page.locator("#opt-fp8 input[type=checkbox]")
+        if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
             assert fp8.is_disabled() and "FP8 needs" in page.inner_text("#opt-fp8")
+        if os.environ.get("ATELIER_SCREENSHOTS"):
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.locator("#optimization-panel").screenshot(path=str(SHOTS / "studio-optimization.png"))
 
 
 def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
@@ -152,14 +157,17 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     fill(page, "prompt-input", "a watercolor fox in a misty forest, soft light")
     fill(page, "negative-prompt-input", "blurry, low quality")
     set_number(page, "steps-input", 8)
+    set_number(page, "preview-every", 2)
     size = page.locator("#size-select input")
     size.fill("64x64")
     size.press("Enter")
     page.click("#seed-dice")
     page.wait_for_function("/^\\d+$/.test(document.querySelector('#seed-input textarea').value)")
     page.click("#generate-btn")
+    page.wait_for_function(visible("#preview-image img"))   # a preview streams in while it denoises
     wait_progress(page, r"Done: 1 image")
     page.wait_for_function("document.querySelectorAll('#output-gallery img').length === 1")
+    page.wait_for_function("!" + visible("#preview-image"))  # and leaves when the image is there
     params = page.inner_text("#selected-params")
     assert "watercolor fox" in params and "diffusion" in params
     assert re.search(r'"width"\s*:\s*64', params), params
@@ -167,7 +175,7 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     shot(page, "studio-diffusion.png")
 
 
-def test_generate_shows_images_latency_and_memory(page):
+def test_generate_shows_images_latency_and_memory(page, browser, studio):
     generate(page, "0-7", 8)
     assert page.locator("#output-gallery img").count() >= 8
     page.wait_for_function("document.querySelector('#latency-readout').innerText.includes('total')", timeout=10_000)
@@ -177,8 +185,17 @@ def test_generate_shows_images_latency_and_memory(page):
     vram = page.inner_text("#vram-readout")
     assert MEM_FIGURE.search(vram), vram
     assert ("RSS" in vram) or ("allocated" in vram)       # CPU runs say what the figure is
-    assert '"seed": 0' in page.inner_text("#selected-params") or "seed" in page.inner_text("#selected-params")
+    assert "seed" in page.inner_text("#selected-params")
+    page.wait_for_function("!document.querySelector('#generate-btn').disabled")
     shot(page, "studio-stylegan.png")
+    if os.environ.get("ATELIER_SCREENSHOTS"):      # the same state in Gradio's dark theme
+        dark = open_page(browser, studio, query="?__theme=dark")
+        try:
+            generate(dark, "0-7", 8)
+            dark.wait_for_function("!document.querySelector('#generate-btn').disabled")
+            shot(dark, "studio-stylegan-dark.png")
+        finally:
+            dark.context.close()
 
 
 def test_select_image_and_send_parameters_back(page):

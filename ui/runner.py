@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -59,7 +60,8 @@ class StudioRuntime:
         self.metrics = StudioMetrics()
         self.gpu_lock = threading.Lock()       # a worker abandoned by its event still holds the GPU until it ends
         self.poll_s = poll_s
-        self._sessions: dict[str, SessionState] = {}
+        # weak: Gradio owns the sessions (and expires them); this map only finds one when its tab closes
+        self._sessions: weakref.WeakValueDictionary[str, SessionState] = weakref.WeakValueDictionary()
         self._sessions_lock = threading.Lock()
 
     # -- sessions (so that closing a tab stops its job) -----------------------------

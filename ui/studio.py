@@ -241,7 +241,7 @@ def build_app(services: Services) -> gr.Blocks:
                                                   label="Strength (how far from the start image)", elem_id="strength-input")
 
                 # optimization toggles
-                with gr.Accordion("Optimization", open=True, elem_id="optimization-panel"):
+                with gr.Accordion("Optimization", open=False, elem_id="optimization-panel"):
                     ok, why = avail.get("precision", (True, ""))
                     C["precision"] = gr.Radio(["fp32", "tf32", "fp16", "bf16"], value="fp32", label="Precision (AMP)",
                                               elem_id="precision-select", info=why or None, interactive=ok)
@@ -298,6 +298,7 @@ def build_app(services: Services) -> gr.Blocks:
         controls = [C[name] for name in CONTROL_NAMES]
         panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
         send_outputs = controls + [sg_group, df_group, sg_tabs]
+        memory_toggle = "memory" in avail          # memory savers are diffusion-only: shown with that backend
 
         # -- handlers ----------------------------------------------------------------------------
         scheduler_cache: list[list[str]] = []
@@ -318,8 +319,9 @@ def build_app(services: Services) -> gr.Blocks:
                 first = re.match(r"\s*(\d+)", seed or "")
                 seed_update = gr.Textbox(label="Seed (empty = random)", value=first.group(1) if first else "")
                 sched_update = gr.Dropdown(choices=scheduler_choices())
-            return (gr.Dropdown(choices=choices, value=default, info=note or None),
-                    gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True), seed_update, sched_update)
+            return (gr.Dropdown(choices=choices, value=default, info=note),
+                    gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True), seed_update,
+                    sched_update, gr.CheckboxGroup(visible=memory_toggle and not sg))
 
         def model_defaults(backend: str, model: str | None):
             """Picking a diffusion model sets its native size, steps, guidance and scheduler."""
@@ -334,15 +336,15 @@ def build_app(services: Services) -> gr.Blocks:
         def list_models(backend: str, current: str | None):
             choices, default, note = _model_choices(services, backend)
             ids = [c[1] for c in choices]
-            return gr.Dropdown(choices=choices, value=current if current in ids else default, info=note or None)
+            return gr.Dropdown(choices=choices, value=current if current in ids else default, info=note)
 
         def add_model(ref: str, backend: str):
             try:
                 entry = services.catalogue.add(ref, backend)
             except AtelierError as exc:
                 raise gr.Error(str(exc)) from None
-            choices, _default, _note = _model_choices(services, backend)
-            return gr.Dropdown(choices=choices, value=entry.id), f"Added **{entry.id}** ({entry.source})."
+            choices, _default, note = _model_choices(services, backend)
+            return gr.Dropdown(choices=choices, value=entry.id, info=note), f"Added **{entry.id}** ({entry.source})."
 
         def roll_seed() -> str:
             return str(random_seed())
@@ -407,11 +409,13 @@ def build_app(services: Services) -> gr.Blocks:
                     raise gr.Error(ev.message)
 
         def job_finished(sess: SessionState):
-            """After the event chain: drop a ticket whose job never started (e.g. the queue refused it)."""
+            """After the event chain: drop a ticket whose job never started (e.g. the queue refused it),
+            and refresh the panel at once rather than at the next timer tick."""
             if sess.ticket is not None and rt.queue.is_waiting(sess.ticket) and sess.tracker.state == QUEUED:
                 rt.queue.leave(sess.ticket)
                 sess.ticket = None
                 sess.tracker.finish(STOPPED, {}, message="The job did not start.")
+            return telemetry(sess)
 
         def stop(sess: SessionState):
             """Stop this session's job (running or waiting). Other sessions' jobs are not touched."""
@@ -465,6 +469,7 @@ def build_app(services: Services) -> gr.Blocks:
             sg = backend == "stylegan"
             out[sg_group] = gr.Group(visible=True if sg else "hidden")
             out[df_group] = gr.Group(visible="hidden" if sg else True)
+            out[C["memory_savers"]] = gr.CheckboxGroup(visible=memory_toggle and not sg)
             if sg and vals.get("sg_mode"):
                 out[sg_tabs] = gr.Tabs(selected=vals["sg_mode"])
             return out
@@ -508,7 +513,7 @@ def build_app(services: Services) -> gr.Blocks:
         fast = dict(queue=False, show_progress="hidden")
         diffusion_knobs = [C["steps"], C["guidance"], C["size"], C["scheduler"]]
         C["backend"].input(switch_backend, [C["backend"], C["seed"]],
-                           [C["model"], sg_group, df_group, C["seed"], C["scheduler"]],
+                           [C["model"], sg_group, df_group, C["seed"], C["scheduler"], C["memory_savers"]],
                            api_name="switch_backend", **fast
                            ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
                                   api_name="backend_model_defaults", **fast)
@@ -527,7 +532,7 @@ def build_app(services: Services) -> gr.Blocks:
                           [gallery, preview, progress_box, selected_params, download_btn],
                           api_name="generate", concurrency_id="gpu", concurrency_limit=1,
                           show_progress="hidden", trigger_mode="once"
-                          ).then(job_finished, session, None, api_name="job_finished", **fast)
+                          ).then(job_finished, session, panel_outputs + [timer], api_name="job_finished", **fast)
         C["prompt"].submit(lambda: None, None, None, js="() => document.querySelector('#generate-btn').click()",
                            api_name="prompt_submit", queue=False)
         stop_btn.click(stop, session, progress_box, api_name="stop", **fast)
@@ -546,37 +551,36 @@ def build_app(services: Services) -> gr.Blocks:
 
 
 def _toggle_controls(C: dict, avail: dict[str, tuple[bool, str]]) -> None:
-    """The optional toggles: shown when the optim package reports them, disabled with the reason
-    when they cannot run here. Until a toggle is reported at all it stays hidden (precision only)."""
-    def state(name):
+    """The optional toggles, laid out compactly: shown when the optim package reports them, disabled
+    with its reason when one cannot run here. Until a toggle is reported at all it stays hidden
+    (before the toggles landed the panel showed precision only)."""
+    def state(name, show_info_when_ok=False):
         if name not in avail:
-            return False, False, ""
+            return False, False, None
         ok, why = avail[name]
-        return True, bool(ok), (why if not ok else (why or None))
+        info = why if (not ok or show_info_when_ok) else None   # a reason for what cannot run; no chatter
+        return True, bool(ok), info or None
 
-    vis, ok, why = state("channels_last")
-    C["channels_last"] = gr.Checkbox(False, label="channels_last memory format", visible=vis, interactive=ok,
-                                     info=why, elem_id="opt-channels-last")
-    vis, ok, why = state("attention")
-    C["attention"] = gr.Radio(["sdpa", "xformers", "math"], value="sdpa", label="Attention backend", visible=vis,
-                              interactive=ok, info=why, elem_id="opt-attention")
     vis, ok, why = state("compile")
     C["compile_mode"] = gr.Radio(["off", "default", "reduce-overhead"], value="off", label="torch.compile",
-                                 visible=vis, interactive=ok, info=why, elem_id="opt-compile")
-    vis, ok, why = state("fp8")
-    C["fp8"] = gr.Checkbox(False, label="FP8 linear layers", visible=vis, interactive=ok, info=why, elem_id="opt-fp8")
+                                 visible=vis, interactive=ok, info=why or "the first run at a new size compiles (minutes)",
+                                 elem_id="opt-compile")
+    vis, ok, why = state("attention", show_info_when_ok=True)
+    C["attention"] = gr.Radio(["sdpa", "xformers", "math"], value="sdpa", label="Attention", visible=vis,
+                              interactive=ok, info=why, elem_id="opt-attention")
+    for name, label, elem_id in (("channels_last", "channels_last memory format", "opt-channels-last"),
+                                 ("fp8", "FP8 linear layers", "opt-fp8"), ("tensorrt", "TensorRT engine", "opt-tensorrt")):
+        vis, ok, why = state(name)
+        C[name] = gr.Checkbox(False, label=label, visible=vis, interactive=ok, info=why, elem_id=elem_id)
     vis, ok, why = state("prune")
     with gr.Row(visible=vis):
         C["prune_amount"] = gr.Slider(0.0, 0.9, value=0.0, step=0.05, label="Pruning", visible=vis,
                                       interactive=ok, info=why, elem_id="opt-prune", scale=3)
         C["prune_method"] = gr.Radio(["l1-unstructured", "structured"], value="l1-unstructured", label="Method",
                                      visible=vis, interactive=ok, elem_id="opt-prune-method", scale=2)
-    vis, ok, why = state("tensorrt")
-    C["tensorrt"] = gr.Checkbox(False, label="TensorRT engine", visible=vis, interactive=ok, info=why,
-                                elem_id="opt-tensorrt")
-    vis, ok, why = state("memory")
-    C["memory_savers"] = gr.CheckboxGroup(list(MEMORY_SAVERS), value=[], label="Memory savers (diffusion)",
-                                          visible=vis, interactive=ok, info=why, elem_id="opt-memory")
+    vis, ok, why = state("memory", show_info_when_ok=True)
+    C["memory_savers"] = gr.CheckboxGroup(list(MEMORY_SAVERS), value=[], label="Memory savers",
+                                          visible=False, interactive=ok, info=why, elem_id="opt-memory")  # diffusion only
 
 
 # -- serving ---------------------------------------------------------------------------------
