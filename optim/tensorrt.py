@@ -346,6 +346,11 @@ class TRTSynthesis(torch.nn.Module):
         return torch.cat(outs)
 
 
+def _given(v) -> bool:
+    """An optional UNet input that was actually passed (None and {} mean 'not used')."""
+    return v is not None and not (isinstance(v, dict) and not v)
+
+
 class _TRTUNetForward:
     """Replaces `unet.forward`; the UNet object (its config, dtype, device) stays what diffusers expects."""
 
@@ -362,7 +367,7 @@ class _TRTUNetForward:
 
     def __call__(self, sample, timestep, encoder_hidden_states, *args, **kwargs):
         reason = None
-        extras = [k for k in self._HANDLED - {"added_cond_kwargs", "return_dict"} if kwargs.get(k) not in (None, {})]
+        extras = sorted(k for k in self._HANDLED - {"added_cond_kwargs", "return_dict"} if _given(kwargs.get(k)))
         unknown = [k for k in kwargs if k not in self._HANDLED]
         if args or extras or unknown:
             reason = f"the engine has no inputs for {', '.join(extras + unknown) or 'extra positional arguments'}"
