@@ -84,7 +84,10 @@ def quantize_linears(module: torch.nn.Module, min_features: int = FP8_MIN_FEATUR
 
     chosen = [(n, m) for n, m in module.named_modules() if selects(m, min_features)]
     kept = sum(1 for _, m in module.named_modules() if isinstance(m, torch.nn.Linear)) - len(chosen)
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    # set_inductor_config=False: torchao's "recommended" settings are process-wide (coordinate-descent
+    # tuning, TF32 matmuls via set_float32_matmul_precision) and would change every other cached pipeline,
+    # the fp32 reference included.
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     for name, lin in chosen:
         lin.to(torch.bfloat16)
         quantize_(lin, config)         # a bare Linear: the default filter takes it
