@@ -84,8 +84,9 @@ class CompileCache:
         # Enough room for every bucket of a few cached pipelines before dynamo gives up and runs eagerly.
         import torch._dynamo.config as dynamo_config
 
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
+        for name, floor in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024)):
+            if hasattr(dynamo_config, name):              # the names of torch >= 2.6
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), floor))
         return self.load_artifacts()
 
     def _prefix(self) -> str:
