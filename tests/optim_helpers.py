@@ -40,3 +40,11 @@ def prepared(testdata, name: str, flags, device=CPU, **kw):
 
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def reference_G(testdata, name: str, device=CPU):
+    """The fp32 reference generator: prepared with default flags, so on CUDA NVlabs' own fp16 blocks
+    are off too (an unprepared sg2_cond4_64_fp16 runs its top blocks in fp16 on a GPU)."""
+    from core.types import OptimizationFlags
+
+    return prepared(testdata, name, OptimizationFlags(), device=device)[0]

@@ -20,7 +20,7 @@ import optim
 from core.types import OptimizationFlags as Flags
 from optim import compile as oc
 from optim.targets import Context, resolve
-from tests.optim_helpers import CPU, generate, latents, load_G, rel_err
+from tests.optim_helpers import CPU, generate, latents, load_G, reference_G, rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -198,7 +198,7 @@ def test_inductor_matches_eager_and_second_start_hits_the_cache(tmp_path):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_gpu_stylegan_compile_inductor(testdata, tmp_path, mode, dynamo_clean):
     cuda = torch.device("cuda")
-    ref = generate(load_G(testdata, "sg2_cond4_64_fp16").to(cuda), Flags(), seeds=(0, 1, 2), device=cuda)
+    ref = generate(reference_G(testdata, "sg2_cond4_64_fp16", cuda), Flags(), seeds=(0, 1, 2), device=cuda)
     G = load_G(testdata, "sg2_cond4_64_fp16").to(cuda)
     G, report = optim.prepare(G, Flags(compile=mode), cuda, kind="stylegan", cache_dir=tmp_path)
     assert report["compile"]["applied"] and report["compile"]["mode"] == mode

@@ -9,7 +9,7 @@ import torch
 import optim
 from core.types import OptimizationFlags as Flags
 from evaluation.drift import psnr, ssim
-from tests.optim_helpers import CPU, generate, load_G, prepared, rel_err
+from tests.optim_helpers import CPU, generate, load_G, prepared, reference_G, rel_err
 
 
 @pytest.mark.parametrize("name,min_psnr", [("sg2_uncond_32", 35.0), ("sg2_cond4_64_fp16", 32.0)])
@@ -68,7 +68,7 @@ def test_diffusion_pipeline_bf16_on_cpu_is_autocast_and_close():
 @pytest.mark.parametrize("precision,min_psnr", [("fp16", 35.0), ("bf16", 32.0), ("tf32", 45.0)])
 def test_gpu_precisions_stylegan(testdata, precision, min_psnr):
     cuda = torch.device("cuda")
-    ref = generate(load_G(testdata, "sg2_cond4_64_fp16").to(cuda), Flags(), device=cuda)
+    ref = generate(reference_G(testdata, "sg2_cond4_64_fp16", cuda), Flags(), device=cuda)
     G, report = prepared(testdata, "sg2_cond4_64_fp16", Flags(precision=precision), device=cuda)
     assert report["precision"]["applied"], report
     assert "native_fp16_blocks" in report["precision"]            # NVlabs fp16 blocks handed to the toggle

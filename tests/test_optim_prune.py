@@ -13,7 +13,7 @@ import optim
 from core.types import OptimizationFlags as Flags
 from evaluation.drift import psnr
 from optim.prune import NO_SPEEDUP
-from tests.optim_helpers import CPU, generate, load_G, prepared, rel_err
+from tests.optim_helpers import CPU, generate, load_G, prepared, reference_G, rel_err
 
 
 def _probe(G):
@@ -174,6 +174,6 @@ def test_gpu_structured_pruning_is_faster(testdata):
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / 20
 
-    base = bench(load_G(testdata, "sg2_cond4_64_fp16").to(cuda))
+    base = bench(reference_G(testdata, "sg2_cond4_64_fp16", cuda))
     G, report = prepared(testdata, "sg2_cond4_64_fp16", Flags(prune_amount=0.5, prune_method="structured"), device=cuda)
     assert bench(G) < 0.9 * base, report["prune"]

@@ -10,7 +10,7 @@ import optim
 from core.types import OptimizationFlags as Flags
 from optim import tensorrt as ot
 from optim.hardware import has_package
-from tests.optim_helpers import CPU, latents, load_G, prepared, rel_err
+from tests.optim_helpers import CPU, latents, load_G, prepared, reference_G, rel_err
 
 
 def _ort(path):
@@ -209,7 +209,7 @@ def test_unet_forward_wrapper_in_a_real_pipeline(unet_onnx):
 def test_gpu_tensorrt_stylegan_engine_and_cache(testdata, tmp_path):
     pytest.importorskip("tensorrt")
     cuda = torch.device("cuda")
-    ref_G = load_G(testdata, "sg2_uncond_32").to(cuda)
+    ref_G = reference_G(testdata, "sg2_uncond_32", cuda)
     G, report = prepared(testdata, "sg2_uncond_32", Flags(tensorrt=True), device=cuda, cache_dir=tmp_path,
                          weights_hash="test")
     r = report["tensorrt"]
