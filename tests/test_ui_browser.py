@@ -271,3 +271,18 @@ def test_style_mixing_tab(page):
     wait_progress(page, r"Done: style-mix grid")
     page.wait_for_function("document.querySelectorAll('#output-gallery img').length === 1")
     assert '"style-mix"' in page.inner_text("#selected-params") or "style-mix" in page.inner_text("#selected-params")
+
+
+def test_closing_the_tab_stops_its_job(browser, studio):
+    page = open_page(browser, studio)
+    set_number(page, "sg-batch", 1)
+    fill(page, "seed-input", "0-2000")
+    page.click("#generate-btn")
+    wait_step(page, 1)
+    rt = studio.atelier_runtime
+    assert rt.queue.counts()[1] == 1
+    page.context.close()
+    t0 = time.time()
+    while rt.queue.counts() != (0, 0) and time.time() - t0 < 15:
+        time.sleep(0.1)
+    assert rt.queue.counts() == (0, 0), "the closed tab's job kept the GPU"

@@ -77,7 +77,7 @@ def load_css() -> str:
 def _model_choices(services: Services, backend: str) -> tuple[list[tuple[str, str]], str | None, str]:
     """(choices, default value, note) for the model picker."""
     entries = services.catalogue.entries(backend)
-    choices = [(e.label, e.id) for e in entries]
+    choices = [(_entry_label(e), e.id) for e in entries]
     try:
         default = services.catalogue.default(backend).id
         note = ""
@@ -88,6 +88,14 @@ def _model_choices(services: Services, backend: str) -> tuple[list[tuple[str, st
             default = choices[0][1]
             note = "No local diffusion model yet: a hub model downloads on first use (several GB), or add a path below."
     return choices, default, note
+
+
+def _entry_label(e) -> str:
+    """'ffhq.pkl · stylegan2 · local' — a file's name, not its whole path (the value stays the full id)."""
+    name = Path(e.path).name if (e.path and e.source != "hub") else e.id
+    where = {"bundled": "bundled", "local": "local", "hf-cache": "HF cache", "hub": "hub, downloads"}.get(e.source, e.source)
+    size = f" · {e.size_bytes / 2**30:.1f} GB" if (e.source == "hub" and e.size_bytes) else ""
+    return f"{name}  ·  {e.kind}, {where}{size}"
 
 
 def _scheduler_choices() -> list[str]:
