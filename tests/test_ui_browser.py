@@ -225,8 +225,13 @@ def test_stop_during_a_long_job_and_sessions_stay_apart(browser, studio, page):
         other.click("#stop-btn")
         later = wait_step(page, step + 3)
         assert later > step
-        # its own job waits its turn, with its place in the queue
-        fill(other, "seed-input", "0-1")
+        # its own job waits its turn, with its place in the queue; stopped while waiting, it never runs
+        fill(other, "seed-input", "1500-1501")
+        other.click("#generate-btn")
+        wait_progress(other, r"position 1 of 1", timeout=10)
+        other.click("#stop-btn")
+        wait_progress(other, r"Stopped before it started", timeout=10)
+        fill(other, "seed-input", "1600-1602")                # and a new one takes its place
         other.click("#generate-btn")
         wait_progress(other, r"position 1 of 1", timeout=10)
 
@@ -234,9 +239,11 @@ def test_stop_during_a_long_job_and_sessions_stay_apart(browser, studio, page):
         t0 = time.time()
         m = wait_progress(page, r"Stopped at step (\d+)/2001", timeout=15)
         assert time.time() - t0 < 10 and int(m.group(1)) < 2001
-        wait_progress(other, r"Done: 2 images", timeout=60)   # the GPU went to the waiting session
+        wait_progress(other, r"Done: 3 images", timeout=60)   # the GPU went to the waiting session
     finally:
         other.context.close()
+    out = Path(studio.atelier_runtime.settings.output_dir)
+    assert list(out.rglob("*seed1600.png")) and not list(out.rglob("*seed1500.png"))
     generate(page, "30-31", 2)                              # and the stopped session generates again
     assert page.locator("#output-gallery img").count() == 2
 

@@ -186,10 +186,11 @@ def test_queue_positions_and_session_cancel():
     q.leave(b)
     assert q.position(c) == 1
     s = new_session()
-    s.ticket = c
+    s.tickets[c.id] = c
+    assert s.waiting_ticket() is c
     job = Job()
     s.job = job
-    assert s.cancel() and c.cancelled and job.cancelled
+    assert s.cancel() and c.cancelled and job.cancelled and s.waiting_ticket() is None
     import copy
     fresh = copy.deepcopy(s)       # what gr.State does for a new session
     assert isinstance(fresh, SessionState) and fresh.job is None and fresh.tracker is not s.tracker

@@ -42,6 +42,7 @@ class Progress:
     state: str = ""                            # DONE | STOPPED | FAILED once done
     message: str = ""
     error: Exception | None = None
+    quiet: bool = False                        # nothing to show (a stale event of a stopped job)
 
 
 class StudioRuntime:
@@ -78,27 +79,41 @@ class StudioRuntime:
 
     # -- running a job ----------------------------------------------------------------
     def enqueue(self, session: SessionState, kind: str) -> Ticket:
-        if session.ticket is not None:
-            self.queue.leave(session.ticket)
-        session.ticket = self.queue.join()
+        """A place in the GPU queue for a job this session is about to submit."""
+        ticket = self.queue.join()
+        session.tickets[ticket.id] = ticket
         session.tracker.queued(kind)
-        return session.ticket
+        return ticket
 
-    def run(self, session: SessionState, spec: JobSpec) -> Iterator[Progress]:
-        ticket = session.ticket
-        if ticket is None or not self.queue.is_waiting(ticket):   # the API calls generate without the pre-step
+    def withdraw(self, session: SessionState) -> None:
+        """Take this session's cancelled tickets off the board, so others move up at once. They stay in
+        the session's map: when their event comes round, `run` sees them cancelled and ends it."""
+        for t in session.tickets.values():
+            if t.cancelled:
+                self.queue.leave(t)
+
+    def run(self, session: SessionState, spec: JobSpec, ticket_id: int | None = None) -> Iterator[Progress]:
+        """Run `spec` for `session`. `ticket_id` is the place its Generate click took (None from the API:
+        take one now). A ticket cancelled while it waited ends the event at once."""
+        ticket = session.tickets.get(int(ticket_id)) if ticket_id else None
+        if ticket is None:
             ticket = self.enqueue(session, spec.kind)
         if ticket.cancelled:
             self.queue.leave(ticket)
-            session.tracker.finish(STOPPED, {}, message="Stopped before it started.")
-            yield Progress(done=True, state=STOPPED, message="Stopped before it started.")
+            session.tickets.pop(ticket.id, None)
+            # a newer job of this session may be waiting or running by now: leave its display alone
+            quiet = session.job is not None or session.waiting_ticket() is not None
+            if not quiet:
+                session.tracker.finish(STOPPED, {}, message="Stopped before it started.")
+            yield Progress(done=True, state=STOPPED, message="Stopped before it started.", quiet=quiet)
             return
         self.queue.start(ticket)
         tracker = session.tracker
         device = pick_device(spec.request.device or self.services.manager.default_device)
         job = Job(on_progress=tracker.on_progress, sync=synchronizer(device))
-        session.job = job
-        if ticket.cancelled:    # Stop landed between the check above and now
+        session.job = job                      # Stop now reaches the job ...
+        session.tickets.pop(ticket.id, None)   # ... so the ticket can go
+        if ticket.cancelled:                   # Stop landed between the check above and now
             job.cancel()
         tracker.start(spec.kind, job)
         box: dict[str, Any] = {}
@@ -130,8 +145,8 @@ class StudioRuntime:
             if worker.is_alive():   # the event was abandoned (tab closed, client gone): do not leave work running
                 job.cancel()
             self.queue.leave(ticket)
-            if session.ticket is ticket:
-                session.ticket = None
+            if session.job is job:
+                session.job = None
 
     def _conclude(self, session: SessionState, spec: JobSpec, job: Job, box: dict) -> Progress:
         tracker = session.tracker

@@ -77,8 +77,8 @@ class SessionState:
     """Everything one browser session owns. Mutated in place by the event handlers."""
 
     tracker: JobTracker = field(default_factory=JobTracker)
-    job: Job | None = None
-    ticket: Ticket | None = None
+    job: Job | None = None                                   # the running job
+    tickets: dict[int, Ticket] = field(default_factory=dict)  # this session's jobs not yet started, by id
     results: list[ResultItem] = field(default_factory=list)
     selected: int | None = None
     timer_interval: float = 0.0        # what the panel's timer was last set to
@@ -89,15 +89,20 @@ class SessionState:
         return SessionState()
 
     def cancel(self) -> bool:
-        """Stop this session's job (running, or still waiting for the GPU). True if there was one."""
+        """Stop this session's jobs: the running one and any still waiting. True if there was one."""
         hit = False
-        if self.ticket is not None and not self.ticket.cancelled:
-            self.ticket.cancelled = True
-            hit = True
+        for t in self.tickets.values():
+            if not t.cancelled:
+                t.cancelled = True
+                hit = True
         if self.job is not None and not self.job.cancelled:
             self.job.cancel()
             hit = True
         return hit
+
+    def waiting_ticket(self) -> Ticket | None:
+        """The first of this session's jobs still waiting (not cancelled), for its queue position."""
+        return next((t for t in self.tickets.values() if not t.cancelled), None)
 
     def selected_item(self) -> ResultItem | None:
         if self.selected is None or not (0 <= self.selected < len(self.results)):

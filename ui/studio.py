@@ -223,6 +223,7 @@ def build_app(services: Services) -> gr.Blocks:
                                 C["animation_format"] = gr.Radio(["gif", "mp4"], value="gif", label="Format",
                                                                  elem_id="interp-format")
                     C["sg_mode"] = gr.Textbox("images", visible=False, elem_id="sg-mode")
+                ticket_box = gr.Number(None, visible=False, precision=0, elem_id="ticket-id")
 
                 # diffusion controls
                 with gr.Group(visible="hidden", elem_id="diffusion-controls") as df_group:
@@ -361,7 +362,7 @@ def build_app(services: Services) -> gr.Blocks:
             """Validate at once (errors show before the job queues) and mark this session as waiting."""
             *vals, sess = values
             v = dict(zip(CONTROL_NAMES, vals))
-            if sess.tracker.snapshot().active:
+            if sess.job is not None or sess.waiting_ticket() is not None:
                 raise gr.Error("This session already has a job queued or running: press Stop or wait for it.")
             waiting, _running = rt.queue.counts()
             if settings.queue_max_size and waiting >= settings.queue_max_size:
@@ -374,7 +375,7 @@ def build_app(services: Services) -> gr.Blocks:
             ticket = rt.enqueue(sess, spec.kind)
             html = panel.render_progress(sess.tracker.snapshot(), rt.queue.position(ticket), rt.queue.counts()[0])
             sess.timer_interval = FAST_TICK_S
-            return html, gr.Timer(FAST_TICK_S)
+            return html, gr.Timer(FAST_TICK_S), ticket.id
 
         def generate(backend=None, model=None, seed=None, sg_mode=None, truncation_psi=None, truncation_cutoff=None,
                      noise_mode=None, class_index=None, sg_batch_size=None, mix_rows=None, mix_cols=None, mix_from=None,
@@ -382,8 +383,7 @@ def build_app(services: Services) -> gr.Blocks:
                      negative_prompt=None, steps=None, guidance=None, size=None, scheduler=None, batch_size=None,
                      init_image=None, strength=None, preview_every=None, precision=None, channels_last=None,
                      attention=None, compile_mode=None, fp8=None, prune_amount=None, prune_method=None, tensorrt=None,
-                     memory_savers=None,
-                     sess: SessionState = None, request: gr.Request = None):
+                     memory_savers=None, ticket=None, sess: SessionState = None, request: gr.Request = None):
             """Generate images with the StyleGAN or diffusion backend; yields progress, ends with the gallery."""
             # None = not given (the API's optional parameters): job_spec applies the defaults
             v = {k: val for k, val in locals().items() if k in CONTROL_NAMES and val is not None}
@@ -392,13 +392,13 @@ def build_app(services: Services) -> gr.Blocks:
             try:
                 spec = job_spec(v, settings.device)
             except AtelierError as exc:
-                if sess.ticket is not None:
-                    rt.queue.leave(sess.ticket)
-                    sess.ticket = None
+                t = sess.tickets.pop(int(ticket), None) if ticket else None
+                if t is not None:
+                    rt.queue.leave(t)
                 sess.tracker.finish(FAILED, {}, message=str(exc))
                 raise gr.Error(str(exc)) from None
             skip = gr.skip()
-            for ev in rt.run(sess, spec):
+            for ev in rt.run(sess, spec, ticket):
                 if not ev.done:
                     prev = gr.Image(value=ev.preview, visible=True) if ev.preview is not None else skip
                     yield skip, prev, skip, skip, skip
@@ -411,23 +411,27 @@ def build_app(services: Services) -> gr.Blocks:
                            first.params if first else None,
                            gr.DownloadButton(value=first.path if first else None, interactive=first is not None))
                 elif ev.state == STOPPED:
-                    yield skip, gr.Image(visible=False), html, skip, skip
+                    yield (skip, skip, skip, skip, skip) if ev.quiet else (skip, gr.Image(visible=False), html, skip, skip)
                 else:
                     yield skip, gr.Image(visible=False), html, skip, skip
                     raise gr.Error(ev.message)
 
-        def job_finished(sess: SessionState):
-            """After the event chain: drop a ticket whose job never started (e.g. the queue refused it),
+        def job_finished(sess: SessionState, ticket=None):
+            """After the event chain: drop the ticket if its job never started (e.g. the queue refused it),
             and refresh the panel at once rather than at the next timer tick."""
-            if sess.ticket is not None and rt.queue.is_waiting(sess.ticket) and sess.tracker.state == QUEUED:
-                rt.queue.leave(sess.ticket)
-                sess.ticket = None
-                sess.tracker.finish(STOPPED, {}, message="The job did not start.")
+            t = sess.tickets.pop(int(ticket), None) if ticket else None
+            if t is not None:
+                rt.queue.leave(t)
+                if sess.job is None and sess.tracker.state == QUEUED:
+                    sess.tracker.finish(STOPPED, {}, message="The job did not start.")
             return telemetry(sess)
 
         def stop(sess: SessionState):
             """Stop this session's job (running or waiting). Other sessions' jobs are not touched."""
             hit = sess.cancel()
+            rt.withdraw(sess)
+            if sess.job is None and sess.tracker.state == QUEUED:
+                sess.tracker.finish(STOPPED, {}, message="Stopped before it started.")
             snap = sess.tracker.snapshot()
             if not hit or not snap.active:
                 return panel.render_progress(snap, None, 0)
@@ -438,7 +442,7 @@ def build_app(services: Services) -> gr.Blocks:
             """The side panel: device, memory, this session's job, last latency, charts, progress."""
             reading = rt.memory.sample()
             snap = sess.tracker.snapshot()
-            pos = rt.queue.position(sess.ticket)
+            pos = rt.queue.position(sess.waiting_ticket())
             waiting, running = rt.queue.counts()
             htmls = [panel.render_device(reading, snap.active), panel.render_memory(reading, snap),
                      panel.render_job(snap, pos, waiting, running), panel.render_latency(snap),
@@ -534,13 +538,16 @@ def build_app(services: Services) -> gr.Blocks:
         for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
             tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
 
-        gen_event = generate_btn.click(prepare, controls + [session], [progress_box, timer],
+        # the click takes a place in the GPU queue (shown at once); its generate event carries that
+        # ticket, so a Stop while it waits cancels exactly this job, however many clicks follow
+        gen_event = generate_btn.click(prepare, controls + [session], [progress_box, timer, ticket_box],
                                        api_name="queue_job", **fast)
-        gen_event.success(generate, controls + [session],
+        gen_event.success(generate, controls + [ticket_box, session],
                           [gallery, preview, progress_box, selected_params, download_btn],
                           api_name="generate", concurrency_id="gpu", concurrency_limit=1,
-                          show_progress="hidden", trigger_mode="once"
-                          ).then(job_finished, session, panel_outputs + [timer], api_name="job_finished", **fast)
+                          show_progress="hidden", trigger_mode="multiple"
+                          ).then(job_finished, [session, ticket_box], panel_outputs + [timer], api_name="job_finished",
+                                 **fast)
         C["prompt"].submit(lambda: None, None, None, js="() => document.querySelector('#generate-btn').click()",
                            api_name="prompt_submit", queue=False)
         stop_btn.click(stop, session, progress_box, api_name="stop", **fast)
