@@ -22,7 +22,8 @@ SIZE_PRESETS = (
     "1216×832 · landscape (SDXL)",
     "1024×576 · 16:9",
 )
-DEFAULT_SCHEDULERS = ("default", "euler", "euler-ancestral", "dpm++-2m", "dpm++-2m-karras", "ddim", "unipc", "lcm")
+# the diffusion pipeline's own names (pipelines.diffusion.SCHEDULER_NAMES), if it cannot be imported
+DEFAULT_SCHEDULERS = ("default", "euler", "euler-a", "dpm++2m", "dpm++2m-karras", "ddim", "unipc", "lcm")
 MEMORY_SAVERS = ("attention-slicing", "vae-tiling", "vae-slicing", "cpu-offload")
 
 

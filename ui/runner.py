@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 import weakref
 from dataclasses import dataclass, field

@@ -46,7 +46,6 @@ CONTROL_NAMES = (
     "init_image", "strength", "preview_every", "precision", "channels_last", "attention", "compile_mode", "fp8",
     "prune_amount", "prune_method", "tensorrt", "memory_savers",
 )
-OPTIONAL_TOGGLES = ("channels_last", "attention", "compile", "fp8", "prune", "tensorrt", "memory")
 
 
 def make_theme() -> gr.themes.Base:
@@ -99,7 +98,7 @@ def _entry_label(e) -> str:
 
 
 def _scheduler_choices() -> list[str]:
-    # the diffusion pipeline names its schedulers when it is installed; import lazily (diffusers is slow)
+    # the diffusion pipeline names its schedulers (importing it does not import diffusers)
     try:
         from pipelines import diffusion
     except Exception:   # not landed yet, or diffusers missing: offer the common names
@@ -168,7 +167,7 @@ def build_app(services: Services) -> gr.Blocks:
     settings = services.settings
     avail = _availability(rt.device)
     sg_choices, sg_default, sg_note = _model_choices(services, "stylegan")
-    schedulers = list(DEFAULT_SCHEDULERS)
+    schedulers = _scheduler_choices()
     C: dict[str, Any] = {}                   # control name -> component
 
     with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
@@ -310,27 +309,18 @@ def build_app(services: Services) -> gr.Blocks:
         memory_toggle = "memory" in avail          # memory savers are diffusion-only: shown with that backend
 
         # -- handlers ----------------------------------------------------------------------------
-        scheduler_cache: list[list[str]] = []
-
-        def scheduler_choices() -> list[str]:
-            if not scheduler_cache:
-                scheduler_cache.append(_scheduler_choices())
-            return scheduler_cache[0]
-
         def switch_backend(backend: str, seed: str):
             """Show the controls of the chosen backend and its models."""
             choices, default, note = _model_choices(services, backend)
             sg = backend == "stylegan"
             if sg:
                 seed_update = gr.Textbox(label="Seeds (e.g. 0-7, 42)")
-                sched_update = gr.skip()
-            else:
+            else:   # diffusion takes one seed: keep the first of a StyleGAN list
                 first = re.match(r"\s*(\d+)", seed or "")
                 seed_update = gr.Textbox(label="Seed (empty = random)", value=first.group(1) if first else "")
-                sched_update = gr.Dropdown(choices=scheduler_choices())
             return (gr.Dropdown(choices=choices, value=default, info=note),
                     gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True), seed_update,
-                    sched_update, gr.CheckboxGroup(visible=memory_toggle and not sg))
+                    gr.CheckboxGroup(visible=memory_toggle and not sg))
 
         def model_defaults(backend: str, model: str | None):
             """Picking a diffusion model sets its native size, steps, guidance and scheduler."""
@@ -340,7 +330,7 @@ def build_app(services: Services) -> gr.Blocks:
             sched = d.get("scheduler", "default")
             return (gr.Slider(value=d["steps"]), gr.Slider(value=d["guidance"]),
                     gr.Dropdown(value=size_label(d["width"], d["height"])),
-                    gr.Dropdown(value=sched if sched in scheduler_choices() else "default"))
+                    gr.Dropdown(value=sched if sched in schedulers else "default"))
 
         def list_models(backend: str, current: str | None):
             choices, default, note = _model_choices(services, backend)
@@ -473,7 +463,7 @@ def build_app(services: Services) -> gr.Blocks:
                 choices = choices + [(model, model)]
             out[C["model"]] = gr.Dropdown(choices=choices, value=model)
             if "scheduler_hint" in vals:
-                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), scheduler_choices(),
+                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), schedulers,
                                                      vals.pop("schedule_type_hint", None))
             for name, value in vals.items():
                 if name in C and name != "model":
@@ -525,7 +515,7 @@ def build_app(services: Services) -> gr.Blocks:
         fast = dict(queue=False, show_progress="hidden")
         diffusion_knobs = [C["steps"], C["guidance"], C["size"], C["scheduler"]]
         C["backend"].input(switch_backend, [C["backend"], C["seed"]],
-                           [C["model"], sg_group, df_group, C["seed"], C["scheduler"], C["memory_savers"]],
+                           [C["model"], sg_group, df_group, C["seed"], C["memory_savers"]],
                            api_name="switch_backend", **fast
                            ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
                                   api_name="backend_model_defaults", **fast)
