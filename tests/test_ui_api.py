@@ -127,6 +127,11 @@ def test_style_mix_and_interpolation(client):
 def test_conditional_model_and_clear_errors(client):
     gallery = client.predict(backend="stylegan", model=str(SG_COND), seed="0", class_index="2", api_name="/generate")[0]
     assert read_png_params(gallery_paths(gallery)[0])["class_index"] == 2
+    from ui.studio import CONTROL_NAMES
+
+    sent = client.predict(api_name="/send_back")             # the class goes back as text, the model with it
+    assert sent[CONTROL_NAMES.index("class_index")] == "2"
+    assert sent[CONTROL_NAMES.index("model")]["value"] == str(SG_COND)
     with pytest.raises(Exception, match="unconditional"):
         client.predict(backend="stylegan", model=str(SG_UNCOND), seed="0", class_index="1", api_name="/generate")
     with pytest.raises(Exception, match="seed"):

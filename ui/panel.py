@@ -176,3 +176,9 @@ def render_progress(snap: JobSnapshot, queue_position: int | None, waiting: int)
         return (f'<div class="at-progress {cls}">{_bar(frac)}'
                 f'<div class="at-ptext">{html.escape(snap.message)}</div></div>')
     return '<div class="at-progress at-idle">' + _bar(0.0) + '<div class="at-ptext">Ready.</div></div>'
+
+
+def render_stopping(snap: JobSnapshot) -> str:
+    """Shown the moment Stop is pressed, until the job reaches its next step and ends."""
+    return (f'<div class="at-progress at-stopping">{_bar(snap.fraction)}'
+            '<div class="at-ptext">Stopping…</div></div>')

@@ -425,8 +425,7 @@ def build_app(services: Services) -> gr.Blocks:
             snap = sess.tracker.snapshot()
             if not hit or not snap.active:
                 return panel.render_progress(snap, None, 0)
-            return ('<div class="at-progress at-stopping">' + panel._bar(snap.fraction) +
-                    '<div class="at-ptext">Stopping…</div></div>')
+            return panel.render_stopping(snap)
 
         def telemetry(sess: SessionState):
             """The side panel: device, memory, this session's job, last latency, charts, progress."""
@@ -467,6 +466,8 @@ def build_app(services: Services) -> gr.Blocks:
                                                      vals.pop("schedule_type_hint", None))
             for name, value in vals.items():
                 if name in C and name != "model":
+                    if isinstance(C[name], gr.Textbox):       # class, ψ cutoff, seeds: text fields
+                        value = "" if value is None else str(value)
                     out[C[name]] = value
             sg = backend == "stylegan"
             out[sg_group] = gr.Group(visible=True if sg else "hidden")
