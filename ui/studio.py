@@ -285,7 +285,7 @@ def build_app(services: Services) -> gr.Blocks:
                                                   open=False)
                     with gr.Tab("PNG info", id="pnginfo", elem_id="pnginfo-tab"):
                         with gr.Row():
-                            png_file = gr.File(label="Drop a PNG made here or in AUTOMATIC1111", type="filepath",
+                            png_file = gr.File(label="PNG (Atelier or A1111)", type="filepath",
                                                file_types=[".png", ".jpg", ".jpeg", ".webp"], elem_id="pnginfo-file",
                                                height=160)
                             png_preview = gr.Image(label="Image", interactive=False, elem_id="pnginfo-image", height=220)
