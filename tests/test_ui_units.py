@@ -158,6 +158,8 @@ def test_panel_html_states():
     html = panel.render_progress(tr.snapshot(), None, 0)
     assert "step 3/12" in html and "25.0 ms" in html and "it/s" in html and "ETA" in html
     assert 'style="width:25.0%"' in html
+    tr.on_progress(ProgressEvent("synthesis", 4, 12, 20.0, message="compiling <first run>"))
+    assert "compiling &lt;first run&gt;" in panel.render_progress(tr.snapshot(), None, 0)
     tr.finish(DONE, {"load": 100.0, "synthesis": 300.0}, images=4)
     lat = panel.render_latency(tr.snapshot())
     assert "load" in lat and "synthesis" in lat and "400.0 ms" in lat and "100.0 ms" in lat  # total, per image

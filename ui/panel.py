@@ -168,6 +168,8 @@ def render_progress(snap: JobSnapshot, queue_position: int | None, waiting: int)
             parts.append(f"{snap.it_per_s:.1f} it/s")
         if snap.eta_s is not None:
             parts.append(f"ETA {fmt_duration(snap.eta_s)}")
+        if snap.message:                      # e.g. "compiling (first run for this size)"
+            parts.append(html.escape(snap.message))
         return (f'<div class="at-progress at-running">{_bar(snap.fraction)}'
                 f'<div class="at-ptext">{" · ".join(parts)}</div></div>')
     if snap.state in (DONE, STOPPED, FAILED):
