@@ -381,8 +381,9 @@ class SynthesisBlock(torch.nn.Module):
             fused_modconv = not self.training
 
         if self.in_channels == 0:
-            x = self.const.to(dtype=dtype, memory_format=memory_format)
-            x = x.unsqueeze(0).repeat([ws.shape[0], 1, 1, 1])
+            # const is [C, H, W]; a memory format needs the batch dimension first
+            x = self.const.to(dtype=dtype).unsqueeze(0).repeat([ws.shape[0], 1, 1, 1])
+            x = x.contiguous(memory_format=memory_format)
         else:
             assert_shape(x, [None, self.in_channels, self.resolution // 2, self.resolution // 2],
                          f"features into block {self.resolution}")

@@ -123,6 +123,20 @@ def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
         opt.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, RuntimeError) as exc:
         raise InputError(f"the {what} optimizer state does not fit this run: {exc}") from None
+    _match_param_layouts(opt)
+
+
+def _match_param_layouts(opt: torch.optim.Optimizer) -> None:
+    """Give each moment tensor its parameter's memory layout. Checkpoints store contiguous tensors,
+    while channels_last parameters have NHWC strides; fused Adam refuses mixed layouts."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if not st:
+                continue
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
+                    st[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
 
 
 # -- whole checkpoint ------------------------------------------------------------------------------
