@@ -42,8 +42,14 @@ def scan_stylegan(folder: Path, source: str) -> list[CatalogueEntry]:
             continue   # a .safetensors without our sidecar is not a StyleGAN model (diffusion scanner may list it)
         ident = p.stem if source == "bundled" else str(p)
         out.append(CatalogueEntry(id=ident, backend="stylegan", kind=kind, source=source, path=str(p),
-                                  size_bytes=p.stat().st_size, license=(side or {}).get("license"), description=desc))
+                                  size_bytes=p.stat().st_size, license=_license(side), description=desc))
     return out
+
+
+def _license(side: dict | None) -> str | None:
+    if not side:
+        return None
+    return side.get("license") or (side.get("metadata") or {}).get("license")
 
 
 class Catalogue:

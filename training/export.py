@@ -159,8 +159,13 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
     else:
         lines += ["- (monitor was off)"]
     if grid_path is not None:
+        shown = Path(grid_path)
+        try:  # a repository-relative path reads the same on every machine
+            shown = shown.resolve().relative_to(Path(__file__).resolve().parent.parent)
+        except ValueError:
+            pass
         lines += ["", "## Samples", "", f"Seeds 0-63, truncation psi = {meta['recommended_truncation']}: "
-                  f"`{grid_path}`", "",
+                  f"`{shown}`", "",
                   f"    python app.py generate --backend stylegan --seeds 0-63 --truncation "
                   f"{meta['recommended_truncation']} --out grid.png"]
     return "\n".join(lines) + "\n"
