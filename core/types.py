@@ -214,6 +214,13 @@ class Job:
                 self._sync()
             self.timings_ms[name] = self.timings_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
+    def status(self, message: str) -> None:
+        """Report a status line (e.g. "compiling (first run for this size)") without counting a step."""
+        last = self.trace[-1] if self.trace else None
+        ev = ProgressEvent(self.stage_name, last.step if last else 0, last.total if last else 0, None, None, message)
+        if self._on_progress:
+            self._on_progress(ev)
+
     def step(self, step: int, total: int, preview: Any = None, message: str = "") -> None:
         """Record one finished step; raises Cancelled if a cancel was requested."""
         now = time.perf_counter()

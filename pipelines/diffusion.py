@@ -614,8 +614,10 @@ class DiffusionPipeline:
 
     backend = "diffusion"
 
-    def __init__(self, loaded: LoadedDiffusion, flags: OptimizationFlags, device: torch.device | str):
+    def __init__(self, loaded: LoadedDiffusion, flags: OptimizationFlags, device: torch.device | str,
+                 cache_dir: str | Path | None = None):
         self.loaded = loaded
+        self.cache_dir = cache_dir       # compile / TensorRT caches live under it
         self.model_id = loaded.ref
         self.arch = loaded.arch
         self.family = loaded.family
@@ -633,7 +635,8 @@ class DiffusionPipeline:
         offload = "cpu-offload" in flags.memory and self.device.type == "cuda"
         if not offload:                 # with offload, accelerate places each model only while it runs
             self.pipe.to(self.device)
-        root, report = optim.prepare(self.pipe, flags, self.device, kind="diffusion")
+        root, report = optim.prepare(self.pipe, flags, self.device, kind="diffusion", cache_dir=self.cache_dir,
+                                     weights_hash=self.loaded.hash)
         if root is not self.pipe and hasattr(root, "unet"):
             self.pipe = root
         report = dict(report)
@@ -846,6 +849,7 @@ class DiffusionPipeline:
         # 1. check inputs: everything that can be wrong with the request fails here, before any device work
         chk = self.check_inputs(p, task)
         job.check_cancelled()
+        optim.set_status_callback(self.pipe, job.status)   # "compiling (first run for this size)"
         reset_peak_memory(self.device)
         scheduler = make_scheduler(chk.scheduler, self._base_scheduler_config)
         view = self._task_pipeline(chk.task, scheduler)

@@ -61,18 +61,21 @@ class ModelManager:
                 from pipelines.stylegan import StyleGANPipeline
 
                 loaded = load_generator(entry.path or entry.id, device="cpu")
-                pipe = StyleGANPipeline(loaded, request.flags, device)
+                pipe = StyleGANPipeline(loaded, request.flags, device, cache_dir=self.cache_dir)
             else:
                 from pipelines import diffusion
 
                 loaded = diffusion.load_diffusion(entry.path or entry.id, device=device, flags=request.flags,
                                                   cache_dir=self.cache_dir)
-                pipe = diffusion.DiffusionPipeline(loaded, request.flags, device)
+                pipe = diffusion.DiffusionPipeline(loaded, request.flags, device, cache_dir=self.cache_dir)
         except AtelierError:
             raise
         except torch.cuda.OutOfMemoryError:
             raise ResourceError(f"out of GPU memory while loading {entry.id}; close other models or use a smaller precision") from None
-        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+        except ImportError as exc:
+            raise ModelLoadError(f"the {request.backend} backend needs a package that is not installed "
+                                 f"({exc.name or exc}); run `make setup` or pip install -r requirements.txt") from None
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError) as exc:
             raise ModelLoadError(f"could not load {entry.id}: {type(exc).__name__}: {exc}") from None
         self.last_load_ms = (time.perf_counter() - t0) * 1e3
         return pipe

@@ -26,13 +26,14 @@ def seed_to_z(seed: int, z_dim: int) -> np.ndarray:
 class StyleGANPipeline:
     backend = "stylegan"
 
-    def __init__(self, loaded, flags: OptimizationFlags, device: torch.device):
+    def __init__(self, loaded, flags: OptimizationFlags, device: torch.device, cache_dir=None):
         self.loaded = loaded                      # models.stylegan.LoadedGenerator
         self.model_id = str(loaded.source)
         self.device = device
         self.flags = flags
         G = loaded.G.to(device).eval().requires_grad_(False)
-        self.G, self.optimizations = optim.prepare(G, flags, device, kind="stylegan")
+        self.G, self.optimizations = optim.prepare(G, flags, device, kind="stylegan", cache_dir=cache_dir,
+                                                   weights_hash=loaded.sha256)
 
     # -- shape/range checks before any device work ---------------------------------
     def check_inputs(self, p: StyleGANParams) -> None:
@@ -73,6 +74,7 @@ class StyleGANPipeline:
         self.check_inputs(p)
         G = self.loaded.G
         reset_peak_memory(self.device)
+        optim.set_status_callback(self.G, job.status)   # "compiling (first run for this size)"
         # 2. seeds -> latents (on the CPU, so a seed means the same image on every device)
         with job.stage("latents"):
             zs = np.concatenate([seed_to_z(s, G.z_dim) for s in p.seeds])
