@@ -23,6 +23,7 @@ class Settings:
     queue_max_size: int = 16
     vram_budget_fraction: float = 0.85                          # model manager evicts above this
     default_stylegan_model: str | None = None
+    runs_dir: Path | None = None                                # training runs; None = output_dir/../runs
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -41,6 +42,8 @@ class Settings:
             kw["output_dir"] = Path(env["ATELIER_OUTPUT_DIR"])
         if "ATELIER_CACHE_DIR" in env:
             kw["cache_dir"] = Path(env["ATELIER_CACHE_DIR"])
+        if "ATELIER_RUNS_DIR" in env:
+            kw["runs_dir"] = Path(env["ATELIER_RUNS_DIR"])
         if "ATELIER_DEVICE" in env:
             kw["device"] = env["ATELIER_DEVICE"]
         kw.update({k: v for k, v in overrides.items() if v is not None})

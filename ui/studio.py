@@ -31,6 +31,7 @@ from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, contro
                          random_seed, size_label)
 from ui.runner import MAX_GALLERY, StudioRuntime
 from ui.state import SessionState, new_session
+from ui.train_tab import build_train_tab, make_manager
 
 log = logging.getLogger("atelier.ui")
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,6 +170,20 @@ def build_app(services: Services) -> gr.Blocks:
     sg_choices, sg_default, sg_note = _model_choices(services, "stylegan")
     schedulers = _scheduler_choices()
     C: dict[str, Any] = {}                   # control name -> component
+    train_manager = make_manager(settings)   # training runs: child processes, one at a time
+
+    def _picker_update(backend: str, select: str | None):
+        """The model picker listing `backend`'s models with `select` chosen (e.g. a model just exported)."""
+        choices, default, note = _model_choices(services, backend)
+        return gr.Dropdown(choices=choices, value=select if select in [c[1] for c in choices] else default,
+                           info=note or None)
+
+    def _known_model(path: str) -> str:
+        """The catalogue id of a StyleGAN file, adding it when no scanned folder lists it."""
+        for e in services.catalogue.entries("stylegan"):
+            if path in (e.id, e.path):
+                return e.id
+        return services.catalogue.add(path, "stylegan").id
 
     with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
         # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
@@ -181,127 +196,154 @@ def build_app(services: Services) -> gr.Blocks:
                                      elem_id="model-select", scale=7, info=sg_note or None)
             refresh_btn = gr.Button("↻", elem_id="model-refresh", scale=0, min_width=44, size="sm")
 
-        with gr.Row(elem_id="at-main", equal_height=False):
-            # ---------------------------------------------------------------- controls
-            with gr.Column(scale=5, min_width=360, elem_id="at-controls"):
-                with gr.Row(elem_id="at-seed-row"):
-                    C["seed"] = gr.Textbox("0-7", label="Seeds (e.g. 0-7, 42)", elem_id="seed-input", scale=8)
-                    dice_btn = gr.Button("🎲", elem_id="seed-dice", scale=0, min_width=44, size="sm")
+        # Generate and Train: training is its own process (not in the GPU queue), see ui/train_tab.py
+        with gr.Tabs(elem_id="studio-tabs", selected="generate"):
+            with gr.Tab("Generate", id="generate", elem_id="generate-tab"):
+                with gr.Row(elem_id="at-main", equal_height=False):
+                    # ---------------------------------------------------------------- controls
+                    with gr.Column(scale=5, min_width=360, elem_id="at-controls"):
+                        with gr.Row(elem_id="at-seed-row"):
+                            C["seed"] = gr.Textbox("0-7", label="Seeds (e.g. 0-7, 42)", elem_id="seed-input", scale=8)
+                            dice_btn = gr.Button("🎲", elem_id="seed-dice", scale=0, min_width=44, size="sm")
 
-                # StyleGAN controls
-                with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
-                    C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
-                                                    elem_id="psi-input", info="1 = none; lower = closer to the average face")
-                    with gr.Row():
-                        C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
-                                                   elem_id="noise-mode", scale=3)
-                        C["class_index"] = gr.Textbox("", label="Class", placeholder="none", elem_id="class-input",
-                                                      scale=1, min_width=90)
-                    with gr.Tabs(elem_id="sg-tabs") as sg_tabs:
-                        with gr.Tab("Images", id="images") as tab_images:
+                        # StyleGAN controls
+                        with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
+                            C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
+                                                            elem_id="psi-input",
+                                                            info="1 = none; lower = closer to the average face")
                             with gr.Row():
-                                C["sg_batch_size"] = gr.Slider(1, 64, value=8, step=1, label="Batch size",
-                                                               elem_id="sg-batch", scale=3)
-                                C["truncation_cutoff"] = gr.Textbox("", label="ψ cutoff", placeholder="all layers",
-                                                                    elem_id="psi-cutoff", scale=1, min_width=90)
-                        with gr.Tab("Style mixing", id="style-mix") as tab_mix:
+                                C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
+                                                           elem_id="noise-mode", scale=3)
+                                C["class_index"] = gr.Textbox("", label="Class", placeholder="none",
+                                                              elem_id="class-input",
+                                                              scale=1, min_width=90)
+                            with gr.Tabs(elem_id="sg-tabs") as sg_tabs:
+                                with gr.Tab("Images", id="images") as tab_images:
+                                    with gr.Row():
+                                        C["sg_batch_size"] = gr.Slider(1, 64, value=8, step=1, label="Batch size",
+                                                                       elem_id="sg-batch", scale=3)
+                                        C["truncation_cutoff"] = gr.Textbox("", label="ψ cutoff",
+                                                                            placeholder="all layers",
+                                                                            elem_id="psi-cutoff", scale=1, min_width=90)
+                                with gr.Tab("Style mixing", id="style-mix") as tab_mix:
+                                    with gr.Row():
+                                        C["mix_rows"] = gr.Textbox("1-4", label="Row seeds (give their styles)",
+                                                                   elem_id="mix-rows")
+                                        C["mix_cols"] = gr.Textbox("10-13", label="Column seeds", elem_id="mix-cols")
+                                    with gr.Row():
+                                        C["mix_from"] = gr.Slider(0, 18, value=0, step=1, label="Styles from layer",
+                                                                  elem_id="mix-from")
+                                        C["mix_to"] = gr.Slider(1, 18, value=6, step=1, label="to layer (exclusive)",
+                                                                elem_id="mix-to")
+                                with gr.Tab("Interpolation", id="interpolate") as tab_interp:
+                                    with gr.Row():
+                                        C["frames_per_seed"] = gr.Slider(2, 120, value=24, step=1,
+                                                                         label="Frames per seed",
+                                                                         elem_id="interp-frames")
+                                        C["fps"] = gr.Slider(1, 60, value=24, step=1, label="Frames per second",
+                                                             elem_id="interp-fps")
+                                    with gr.Row():
+                                        C["interp_space"] = gr.Radio([("W (linear)", "w"), ("Z (spherical)", "z")],
+                                                                     value="w",
+                                                                     label="Latent space", elem_id="interp-space")
+                                        C["animation_format"] = gr.Radio(["gif", "mp4"], value="gif", label="Format",
+                                                                         elem_id="interp-format")
+                            C["sg_mode"] = gr.Textbox("images", visible=False, elem_id="sg-mode")
+                        ticket_box = gr.Number(None, visible=False, precision=0, elem_id="ticket-id")
+
+                        # diffusion controls
+                        with gr.Group(visible="hidden", elem_id="diffusion-controls") as df_group:
+                            C["prompt"] = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt-input",
+                                                     placeholder="a watercolor fox in a misty forest, soft light")
+                            C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1,
+                                                              elem_id="negative-prompt-input",
+                                                              placeholder="blurry, low quality")
                             with gr.Row():
-                                C["mix_rows"] = gr.Textbox("1-4", label="Row seeds (give their styles)", elem_id="mix-rows")
-                                C["mix_cols"] = gr.Textbox("10-13", label="Column seeds", elem_id="mix-cols")
+                                C["steps"] = gr.Slider(1, 150, value=25, step=1, label="Steps", elem_id="steps-input")
+                                C["guidance"] = gr.Slider(0.0, 20.0, value=7.0, step=0.5, label="Guidance",
+                                                          elem_id="guidance-input")
                             with gr.Row():
-                                C["mix_from"] = gr.Slider(0, 18, value=0, step=1, label="Styles from layer", elem_id="mix-from")
-                                C["mix_to"] = gr.Slider(1, 18, value=6, step=1, label="to layer (exclusive)", elem_id="mix-to")
-                        with gr.Tab("Interpolation", id="interpolate") as tab_interp:
+                                C["size"] = gr.Dropdown(list(SIZE_PRESETS), value=SIZE_PRESETS[0], label="Size",
+                                                        allow_custom_value=True, elem_id="size-select")
+                                C["scheduler"] = gr.Dropdown(schedulers, value="default", label="Scheduler",
+                                                             allow_custom_value=True, elem_id="scheduler-select")
                             with gr.Row():
-                                C["frames_per_seed"] = gr.Slider(2, 120, value=24, step=1, label="Frames per seed",
-                                                                 elem_id="interp-frames")
-                                C["fps"] = gr.Slider(1, 60, value=24, step=1, label="Frames per second", elem_id="interp-fps")
+                                C["batch_size"] = gr.Slider(1, 8, value=1, step=1, label="Batch", elem_id="df-batch")
+                                C["preview_every"] = gr.Slider(0, 10, value=5, step=1, label="Preview every",
+                                                               info="steps; 0 = off",
+                                                               elem_id="preview-every")
+                            with gr.Accordion("Image to image", open=False, elem_id="img2img"):
+                                C["init_image"] = gr.Image(type="filepath", label="Start image",
+                                                           sources=["upload", "clipboard"], elem_id="init-image", height=180)
+                                C["strength"] = gr.Slider(0.05, 1.0, value=0.75, step=0.05,
+                                                          label="Strength (how far from the start image)",
+                                                          elem_id="strength-input")
+
+                        # optimization toggles
+                        with gr.Accordion("Optimization", open=False, elem_id="optimization-panel"):
+                            ok, why = avail.get("precision", (True, ""))
+                            C["precision"] = gr.Radio(["fp32", "tf32", "fp16", "bf16"], value="fp32",
+                                                      label="Precision (AMP)",
+                                                      elem_id="precision-select", info=why or None, interactive=ok)
+                            _toggle_controls(C, avail)
+
+                        with gr.Accordion("Add a model", open=False, elem_id="add-model"):
                             with gr.Row():
-                                C["interp_space"] = gr.Radio([("W (linear)", "w"), ("Z (spherical)", "z")], value="w",
-                                                             label="Latent space", elem_id="interp-space")
-                                C["animation_format"] = gr.Radio(["gif", "mp4"], value="gif", label="Format",
-                                                                 elem_id="interp-format")
-                    C["sg_mode"] = gr.Textbox("images", visible=False, elem_id="sg-mode")
-                ticket_box = gr.Number(None, visible=False, precision=0, elem_id="ticket-id")
+                                add_ref = gr.Textbox(label="File path or Hugging Face id",
+                                                     placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
+                                                     elem_id="add-model-input", scale=5)
+                                add_btn = gr.Button("Add", elem_id="add-model-btn", scale=1, min_width=70)
+                            add_status = gr.Markdown("", elem_id="add-model-status")
 
-                # diffusion controls
-                with gr.Group(visible="hidden", elem_id="diffusion-controls") as df_group:
-                    C["prompt"] = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt-input",
-                                             placeholder="a watercolor fox in a misty forest, soft light")
-                    C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1, elem_id="negative-prompt-input",
-                                                      placeholder="blurry, low quality")
-                    with gr.Row():
-                        C["steps"] = gr.Slider(1, 150, value=25, step=1, label="Steps", elem_id="steps-input")
-                        C["guidance"] = gr.Slider(0.0, 20.0, value=7.0, step=0.5, label="Guidance", elem_id="guidance-input")
-                    with gr.Row():
-                        C["size"] = gr.Dropdown(list(SIZE_PRESETS), value=SIZE_PRESETS[0], label="Size",
-                                                allow_custom_value=True, elem_id="size-select")
-                        C["scheduler"] = gr.Dropdown(schedulers, value="default", label="Scheduler",
-                                                     allow_custom_value=True, elem_id="scheduler-select")
-                    with gr.Row():
-                        C["batch_size"] = gr.Slider(1, 8, value=1, step=1, label="Batch", elem_id="df-batch")
-                        C["preview_every"] = gr.Slider(0, 10, value=5, step=1, label="Preview every", info="steps; 0 = off",
-                                                       elem_id="preview-every")
-                    with gr.Accordion("Image to image", open=False, elem_id="img2img"):
-                        C["init_image"] = gr.Image(type="filepath", label="Start image", sources=["upload", "clipboard"],
-                                                   elem_id="init-image", height=180)
-                        C["strength"] = gr.Slider(0.05, 1.0, value=0.75, step=0.05,
-                                                  label="Strength (how far from the start image)", elem_id="strength-input")
+                    # ---------------------------------------------------------------- results
+                    with gr.Column(scale=7, min_width=420, elem_id="at-results"):
+                        with gr.Row(elem_id="at-actions"):
+                            generate_btn = gr.Button("Generate", variant="primary", size="lg", elem_id="generate-btn",
+                                                     scale=4)
+                            stop_btn = gr.Button("Stop", variant="stop", size="lg", elem_id="stop-btn", scale=1)
+                        progress_box = gr.HTML(panel.render_progress(new_session().tracker.snapshot(), None, 0),
+                                               elem_id="progress-box")
+                        preview = gr.Image(label="Preview", visible=False, interactive=False, elem_id="preview-image",
+                                           height=256)
+                        with gr.Tabs(elem_id="result-tabs"):
+                            with gr.Tab("Results", id="results"):
+                                gallery = gr.Gallery(label="Results", show_label=False, columns=4, height=520,
+                                                     object_fit="contain", allow_preview=True, format="png",
+                                                     elem_id="output-gallery", buttons=["download", "fullscreen"],
+                                                     interactive=False)
+                                with gr.Row():
+                                    send_back_btn = gr.Button("Send parameters back", elem_id="send-back-btn",
+                                                              size="sm")
+                                    download_btn = gr.DownloadButton("Download with parameters", value=None,
+                                                                     interactive=False,
+                                                                     elem_id="download-btn", size="sm")
+                                selected_params = gr.JSON(label="Parameters of the selected image",
+                                                          elem_id="selected-params",
+                                                          open=False)
+                            with gr.Tab("PNG info", id="pnginfo", elem_id="pnginfo-tab"):
+                                with gr.Row():
+                                    png_file = gr.File(label="PNG (Atelier or A1111)", type="filepath",
+                                                       file_types=[".png", ".jpg", ".jpeg", ".webp"],
+                                                       elem_id="pnginfo-file",
+                                                       height=160)
+                                    png_preview = gr.Image(label="Image", interactive=False, elem_id="pnginfo-image",
+                                                           height=220)
+                                png_params = gr.JSON(label="Parameters", elem_id="pnginfo-json", open=True)
+                                png_send_btn = gr.Button("Send to controls", elem_id="pnginfo-send", size="sm")
 
-                # optimization toggles
-                with gr.Accordion("Optimization", open=False, elem_id="optimization-panel"):
-                    ok, why = avail.get("precision", (True, ""))
-                    C["precision"] = gr.Radio(["fp32", "tf32", "fp16", "bf16"], value="fp32", label="Precision (AMP)",
-                                              elem_id="precision-select", info=why or None, interactive=ok)
-                    _toggle_controls(C, avail)
-
-                with gr.Accordion("Add a model", open=False, elem_id="add-model"):
-                    with gr.Row():
-                        add_ref = gr.Textbox(label="File path or Hugging Face id",
-                                             placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
-                                             elem_id="add-model-input", scale=5)
-                        add_btn = gr.Button("Add", elem_id="add-model-btn", scale=1, min_width=70)
-                    add_status = gr.Markdown("", elem_id="add-model-status")
-
-            # ---------------------------------------------------------------- results
-            with gr.Column(scale=7, min_width=420, elem_id="at-results"):
-                with gr.Row(elem_id="at-actions"):
-                    generate_btn = gr.Button("Generate", variant="primary", size="lg", elem_id="generate-btn", scale=4)
-                    stop_btn = gr.Button("Stop", variant="stop", size="lg", elem_id="stop-btn", scale=1)
-                progress_box = gr.HTML(panel.render_progress(new_session().tracker.snapshot(), None, 0),
-                                       elem_id="progress-box")
-                preview = gr.Image(label="Preview", visible=False, interactive=False, elem_id="preview-image", height=256)
-                with gr.Tabs(elem_id="result-tabs"):
-                    with gr.Tab("Results", id="results"):
-                        gallery = gr.Gallery(label="Results", show_label=False, columns=4, height=520,
-                                             object_fit="contain", allow_preview=True, format="png",
-                                             elem_id="output-gallery", buttons=["download", "fullscreen"],
-                                             interactive=False)
-                        with gr.Row():
-                            send_back_btn = gr.Button("Send parameters back", elem_id="send-back-btn", size="sm")
-                            download_btn = gr.DownloadButton("Download with parameters", value=None, interactive=False,
-                                                             elem_id="download-btn", size="sm")
-                        selected_params = gr.JSON(label="Parameters of the selected image", elem_id="selected-params",
-                                                  open=False)
-                    with gr.Tab("PNG info", id="pnginfo", elem_id="pnginfo-tab"):
-                        with gr.Row():
-                            png_file = gr.File(label="PNG (Atelier or A1111)", type="filepath",
-                                               file_types=[".png", ".jpg", ".jpeg", ".webp"], elem_id="pnginfo-file",
-                                               height=160)
-                            png_preview = gr.Image(label="Image", interactive=False, elem_id="pnginfo-image", height=220)
-                        png_params = gr.JSON(label="Parameters", elem_id="pnginfo-json", open=True)
-                        png_send_btn = gr.Button("Send to controls", elem_id="pnginfo-send", size="sm")
-
-            # ---------------------------------------------------------------- live side panel
-            with gr.Column(scale=3, min_width=250, elem_id="perf-panel"):
-                first = rt.memory.sample()
-                snap0 = new_session().tracker.snapshot()
-                device_html = gr.HTML(panel.render_device(first, False), elem_id="device-readout")
-                vram_html = gr.HTML(panel.render_memory(first, snap0), elem_id="vram-readout")
-                job_html = gr.HTML(panel.render_job(snap0, None, 0, 0), elem_id="job-readout")
-                latency_html = gr.HTML(panel.render_latency(snap0), elem_id="latency-readout")
-                charts_html = gr.HTML(panel.render_charts(snap0, rt.memory.series(), first.kind), elem_id="perf-charts")
-                timer = gr.Timer(SLOW_TICK_S)
+                    # ---------------------------------------------------------------- live side panel
+                    with gr.Column(scale=3, min_width=250, elem_id="perf-panel"):
+                        first = rt.memory.sample()
+                        snap0 = new_session().tracker.snapshot()
+                        device_html = gr.HTML(panel.render_device(first, False), elem_id="device-readout")
+                        vram_html = gr.HTML(panel.render_memory(first, snap0), elem_id="vram-readout")
+                        job_html = gr.HTML(panel.render_job(snap0, None, 0, 0), elem_id="job-readout")
+                        latency_html = gr.HTML(panel.render_latency(snap0), elem_id="latency-readout")
+                        charts_html = gr.HTML(panel.render_charts(snap0, rt.memory.series(), first.kind),
+                                              elem_id="perf-charts")
+                        timer = gr.Timer(SLOW_TICK_S)
+            build_train_tab(settings, train_manager, backend=C["backend"], model=C["model"],
+                            model_update=_picker_update, add_model=_known_model)
 
         controls = [C[name] for name in CONTROL_NAMES]
         panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
@@ -553,6 +595,7 @@ def build_app(services: Services) -> gr.Blocks:
 
     demo.queue(max_size=settings.queue_max_size, default_concurrency_limit=4)
     demo.atelier_runtime = rt    # for launch() (the /metrics route) and tests
+    demo.atelier_training = train_manager
     return demo
 
 
