@@ -259,3 +259,54 @@ def test_auth_is_required_when_set(tmp_path, testdata):
             Client(demo.local_url, verbose=False).predict(api_name="/telemetry")
         ok = Client(demo.local_url, auth=("artist", "s3cret"), verbose=False)
         assert MEM_FIGURE.search(ok.predict(api_name="/telemetry")[1])
+
+
+def test_train_start_status_stop_export(studio, client, tmp_path, monkeypatch):
+    """The Train tab's endpoints: clear errors, a tiny run that logs, stops with a checkpoint, exports, generates."""
+    from tests.test_training_runs import write_tiny_dataset
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # the trainer child inherits it (2-core box; see the runs tests)
+    data = write_tiny_dataset(tmp_path)
+    with pytest.raises(Exception, match="power of two"):
+        client.predict(data=str(data), preset="tiny", resolution=48, api_name="/train_start")
+    with pytest.raises(Exception, match="not found"):
+        client.predict(data=str(tmp_path / "nothing-here"), preset="tiny", api_name="/train_start")
+    run, status_html, _timer = client.predict(data=str(data), preset="tiny", kimg=50, monitor_kimg=0.016,
+                                              log_every=1, name="api-run", api_name="/train_start")
+    assert "api-run" in status_html and "running" in status_html
+    with pytest.raises(Exception, match="still training"):
+        client.predict(data=str(data), preset="tiny", name="api-other", api_name="/train_start")
+
+    def status(c=client) -> tuple:
+        return c.predict("api-run", api_name="/train_status")
+
+    t0, raw = time.time(), {}
+    while time.time() - t0 < 60 and not (raw.get("kimg", 0) > 0 and raw.get("last_monitor")):
+        raw = status()[6]
+        time.sleep(0.2)
+    assert raw["state"] == "running" and raw["kimg"] > 0 and raw["img_s"] > 0, raw
+    fresh = Client(studio.local_url, verbose=False)      # a new session draws everything once
+    html, _warn, losses, _reg, monitor, _samples, _raw, _timer = status(fresh)
+    assert re.search(r"kimg</span><b>[\d.]+ / 50", html), html
+    cols = losses["columns"]
+    series = {row[cols.index("series")] for row in losses["data"]}
+    assert series == {"G", "D"} and len(losses["data"]) >= 4
+    assert "diversity" in {row[2] for row in monitor["data"]}
+
+    stopping, _timer = client.predict(api_name="/train_stop")
+    assert "stopping" in stopping or "stopped" in stopping
+    t0 = time.time()
+    while time.time() - t0 < 60 and raw["state"] != "stopped":
+        html, _w, _l, _r, _m, samples, raw, _t = status()
+        time.sleep(0.2)
+    assert raw["state"] == "stopped" and raw["checkpoint"], raw
+    assert "checkpoint saved" in html
+
+    message, picker = client.predict("api-run", "", "stylegan", api_name="/train_export")
+    assert "Exported" in message
+    weights = picker["value"] if isinstance(picker, dict) else picker
+    assert str(weights).endswith(".safetensors") and Path(weights).is_file()
+    gallery = client.predict(backend="stylegan", model=weights, seed="0", api_name="/generate")[0]
+    from PIL import Image
+
+    assert Image.open(gallery_paths(gallery)[0]).size == (16, 16)    # the studio generates with what it trained

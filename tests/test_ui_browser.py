@@ -293,3 +293,54 @@ def test_closing_the_tab_stops_its_job(browser, studio):
     while rt.queue.counts() != (0, 0) and time.time() - t0 < 15:
         time.sleep(0.1)
     assert rt.queue.counts() == (0, 0), "the closed tab's job kept the GPU"
+
+
+def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
+    from tests.test_training_runs import write_tiny_dataset
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")      # the trainer child inherits it (2-core box)
+    data = write_tiny_dataset(tmp_path)
+    page.get_by_role("tab", name="Train").click()
+    page.locator("#train-start-btn").wait_for(state="visible")
+    assert "same GPU" in page.inner_text("#train-gpu-note")
+    fill(page, "train-data", str(data))
+    preset = page.locator("#train-preset input")
+    preset.fill("tiny")
+    preset.press("Enter")
+    set_number(page, "train-kimg", 50)
+    page.locator("#train-more").get_by_text("Monitor and logging").click()
+    set_number(page, "train-monitor-kimg", 0.016)
+    set_number(page, "train-log-every", 1)
+    fill(page, "train-name", "browser-run")
+    page.click("#train-start-btn")
+
+    page.wait_for_function("document.querySelector('#train-status').innerText.includes('training:')", timeout=60_000)
+    kimg = "parseFloat(document.querySelector('#train-status').innerText.match(/kimg\\s+([\\d.]+)/)[1])"
+    first = page.evaluate(kimg)
+    page.wait_for_function(f"{kimg} > {first}", timeout=30_000)           # the timer keeps it live
+    # the loss plot draws one line per series (G, D), the monitor plot its diversity curve
+    page.wait_for_function("document.querySelectorAll('#train-loss-plot .mark-line path').length >= 2"
+                           " && [...document.querySelectorAll('#train-loss-plot .mark-line path')]"
+                           ".every(p => (p.getAttribute('d') || '').split('L').length > 3)", timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#train-monitor-plot .mark-line path').length >= 1")
+    page.wait_for_function("document.querySelector('#train-run-select input').value === 'browser-run'")
+    if os.environ.get("ATELIER_SCREENSHOTS"):        # the screenshot shows the monitor's warnings when it has some
+        try:
+            page.wait_for_function("document.querySelector('#train-warnings').innerText.includes('kimg')",
+                                   timeout=60_000)
+        except sync_api.TimeoutError:
+            pass
+
+    page.click("#train-stop-btn")
+    page.wait_for_function("document.querySelector('#train-status').innerText.includes('checkpoint saved')",
+                           timeout=60_000)
+    page.wait_for_function("document.querySelector('#train-samples img') !== null")   # the final grid
+    if os.environ.get("ATELIER_SCREENSHOTS"):
+        time.sleep(1.0)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.mouse.move(0, 0)
+        page.screenshot(path=str(SHOTS / "studio-train.png"), full_page=True)
+
+    fill(page, "train-data", str(tmp_path / "missing"))                   # bad input: a message, not a crash
+    page.click("#train-start-btn")
+    page.get_by_text("training data not found").first.wait_for(timeout=10_000)

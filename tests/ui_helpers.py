@@ -31,6 +31,7 @@ def running_studio(tmp: Path, models=(SG_UNCOND, SG_COND), **settings_kw):
     try:
         yield demo
     finally:
+        demo.atelier_training.stop_all(wait=True, grace_s=10)   # a training run the test left going
         demo.close()
 
 
