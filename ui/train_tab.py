@@ -226,7 +226,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
         """The live view of `run` (default: the run going on, else the newest): status, warnings, plots,
         samples, raw status, and the timer (on while the run is active)."""
         skip = gr.skip()
-        name = run or manager.active() or next(iter(manager.runs()), None)
+        names = manager.runs()
+        name = run if run in names else (manager.active() or next(iter(names), None))   # (a deleted run: the newest)
         if name is None:
             view.timer_on = False
             return (train_view.render_status(None), "", skip, skip, skip, skip, None, gr.Timer(active=False))

@@ -1,0 +1,63 @@
+"""The Train tab's pure parts: status and warnings HTML, the plots' frames (no Gradio, no processes)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from training.runs import FAILED, RUNNING, STOPPED, RunStatus
+from ui import train_view
+
+
+def records(n: int = 10) -> list[dict]:
+    out = []
+    for i in range(1, n + 1):
+        out.append({"kind": "train", "kimg": i * 0.1, "loss_G": 1.0 + i, "loss_D": 0.5, "r1": 0.01 * i,
+                    "gp": None, "pl": float("nan") if i == 3 else 0.2, "d_acc_real": 1.0, "d_acc_fake": 0.9,
+                    "aug_p": 0.01 * i})
+        if i % 5 == 0:
+            out.append({"kind": "monitor", "kimg": i * 0.1, "diversity": 0.8, "duplicate_rate": 0.0,
+                        "d_acc": 0.97, "warnings": ["diversity dropped <sharply>"] if i == 10 else []})
+    return out
+
+
+def test_frames_hold_every_series_even_without_points():
+    for frame, colors in zip(train_view.empty_frames(),
+                             (train_view.LOSS_COLORS, train_view.REG_COLORS, train_view.MONITOR_COLORS)):
+        assert set(frame["series"]) == set(colors) and frame["value"].isna().all()
+        assert str(frame["kimg"].dtype) == "float64" and str(frame["value"].dtype) == "float64"
+    recs = records()
+    loss = train_view.loss_frame(recs)
+    assert len(loss) == 20 and loss[loss.series == "G"]["value"].tolist()[:2] == [2.0, 3.0]
+    reg = train_view.regularizer_frame(recs)
+    assert (reg.series == "path length").sum() == 9                     # the NaN point is left out
+    assert reg[reg.series == "GP"]["value"].isna().all()                 # an R1 run: GP kept, without points
+    mon = train_view.monitor_frame(recs)
+    acc = mon[mon.series == "D accuracy"]["value"]
+    assert len(acc) == 10 and math.isclose(acc.iloc[0], 0.95)
+    assert (mon.series == "diversity").sum() == 2
+
+
+def test_long_runs_are_thinned_keeping_the_newest_point():
+    recs = records(3000)
+    g = train_view.loss_frame(recs).query("series == 'G'")
+    assert len(g) == train_view.MAX_POINTS and g["kimg"].iloc[-1] == recs[-1]["kimg"]
+
+
+def test_status_and_warnings_html():
+    assert "No training run yet" in train_view.render_status(None)
+    st = RunStatus(name="mine", folder=Path("/runs/mine"), state=RUNNING, message="training: 1.2 kimg", kimg=1.2,
+                   total_kimg=10, img_s=512.0, eta_s=17.2, elapsed_s=30, started=1.0,
+                   last_train={"loss_G": 1.5, "loss_D": 0.7, "aug_p": 0.125})
+    html = train_view.render_status(st)
+    assert "at-b-running" in html and "1.2 / 10" in html and "512.0" in html and "17 s" in html
+    assert 'style="width:12.0%"' in html and "0.125" in html
+    failed = RunStatus(name="bad", folder=Path("/runs/bad"), state=FAILED, message="could not read x.npy <oops>")
+    html = train_view.render_status(failed)
+    assert "at-b-failed" in html and "&lt;oops&gt;" in html and "at-train-error" in html
+    st = RunStatus(name="mine", folder=Path("/runs/mine"), state=STOPPED,
+                   warnings=[{"kimg": 0.1 * i, "text": f"w{i} <b>"} for i in range(5)],
+                   countermeasures=[{"kimg": 0.4, "measure": "dropout", "detail": "dropout 0.3"}])
+    warn = train_view.render_warnings(st)
+    assert warn.index("w4") < warn.index("w3") and "w1" not in warn and "2 earlier" in warn
+    assert "&lt;b&gt;" in warn and "dropout 0.3" in warn
+    assert train_view.render_warnings(RunStatus(name="x", folder=Path("/x"), state=RUNNING)) == ""
