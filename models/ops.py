@@ -725,8 +725,11 @@ def _upfirdn2d_variant(x, f, up, down, pad, flip_filter, gain) -> torch.Tensor |
     px0, px1, py0, py1 = pad
     if kind == "shifts":
         channels_last = _is_channels_last(x)
-        y = _fir_shifts_1d(x, fx, upx, downx, px0, px1, flip_filter, dim=3)
-        y = _fir_shifts_1d(y, fy, upy, downy, py0, py1, flip_filter, dim=2)
+        # Sum in float32: a 16-bit running sum would round after every tap (compiled, the casts
+        # fuse into the same kernel and cost nothing).
+        y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = _fir_shifts_1d(y, fx, upx, downx, px0, px1, flip_filter, dim=3)
+        y = _fir_shifts_1d(y, fy, upy, downy, py0, py1, flip_filter, dim=2).to(x.dtype)
         return y.contiguous(memory_format=torch.channels_last) if channels_last else y
     N, C, H, W = x.shape
     channels_last = kind == "nc1" and _is_channels_last(x)
