@@ -347,6 +347,54 @@ def run_config(case, dt, cl, masters, ref, timer, clock, smoke, results, skipped
                 flush=True)
 
 
+def run_sg3_filtered_lrelu(timer, clock, device, smoke, results, skipped):
+    """SG3's own filtered_lrelu ([N*C, 1, H, W] 1-D convs) vs the same op from ops.upfirdn2d per FIR variant.
+
+    Diagnostic for the StyleGAN3 owner (models/stylegan3.py is not switched by ops.set_impl):
+    fp32 and bf16 autocast, where SG3-T 1024 measured 4x slower than without autocast.
+    """
+    from models.stylegan3 import filtered_lrelu as sg3_filtered_lrelu
+
+    taps = 12                                   # SG3: filter_size 6 x up 2
+    t = torch.arange(taps, dtype=torch.float64) - (taps - 1) / 2
+    lowpass = torch.sinc(t / 2) * torch.hann_window(taps + 2, periodic=False, dtype=torch.float64)[1:-1]
+    lowpass = (lowpass / lowpass.sum()).float().to(device)
+    n, c, side = (1, 4, 20) if smoke else (1, 64, 532)
+    torch.manual_seed(0)
+    x = torch.randn(n, c, side, side, device=device)
+    bias = torch.randn(c, device=device) * 0.1
+    kw = dict(up=2, down=2, padding=[10, 10, 10, 10], gain=math.sqrt(2), slope=0.2, clamp=256.0)
+
+    def own(x):
+        return sg3_filtered_lrelu(x, lowpass, lowpass, bias, **kw)
+
+    def composed(x):
+        y = ops.upfirdn2d(x + bias.to(x.dtype).view(1, -1, 1, 1), lowpass, up=2, padding=kw["padding"], gain=4)
+        y = ops.bias_act(y, act="lrelu", alpha=kw["slope"], gain=kw["gain"], clamp=kw["clamp"])
+        return ops.upfirdn2d(y, lowpass, down=2)
+
+    with torch.no_grad(), tf32(False):
+        ref = own(x)
+        for precision in ("fp32", "bf16-autocast"):
+            for name, fn, fir in [("sg3 own", own, "grouped")] + [(f"ops fir={v}", composed, v)
+                                                                  for v in ops.IMPL_CHOICES["fir"]]:
+                label = f"SG3 filtered_lrelu {precision} {name}"
+                if clock.left("ops") < 1:
+                    skipped.append(f"ops: {label}")
+                    continue
+                try:
+                    with ops.use_impl(fir=fir), torch.autocast(device.type, dtype=torch.bfloat16,
+                                                               enabled=precision != "fp32"):
+                        err = rel_err(fn(x).float(), ref)
+                        r = timer.median(lambda: fn(x))
+                    results.append({"shape": [n, c, side, side], "precision": precision, "impl": name, **r,
+                                    "err_vs_sg3_fp32": err})
+                    print(f"  {label:52s} {r['ms']:8.3f} ms  err {err:.1e}", flush=True)
+                except Exception as exc:
+                    skipped.append(f"ops: {label}: {type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+
+
 # ---------------------------------------------------------------------------------------------
 # Choosing winners
 
@@ -590,29 +638,40 @@ def run_trainer(best, timer, clock, device, smoke, results, skipped, report):
 
 
 def trainer_check(tr, impl: dict, device) -> dict:
-    """D logits, R1 input gradients and D's parameter gradients of R1, fp32 (TF32 off): default vs impl."""
-    D = tr.D
+    """fp32 (TF32 off), default vs impl on the trainer's own networks: D logits, R1 input gradients and
+    D's parameter gradients of R1; G images (noise 'const') and G's parameter gradients of a path-length
+    style penalty."""
+    D, G = tr.D, tr.G
     torch.manual_seed(0)
     res = D.img_resolution
     real = torch.randn(16, 3, res, res, device=device)
     if tr.channels_last:
         real = real.contiguous(memory_format=CL)
+    z = torch.randn(8, G.z_dim, device=device)
+    probe = torch.randn(8, 3, res, res, device=device)
 
     def run(setting):
         D.zero_grad(set_to_none=True)
+        G.zero_grad(set_to_none=True)
         x = real.detach().requires_grad_(True)
         with ops.use_impl(**setting), tf32(False):
             logits = D(x)
             (g,) = torch.autograd.grad(logits.sum(), x, create_graph=True)
             g.square().sum().backward()
-        grads = torch.cat([p.grad.flatten() for p in D.parameters() if p.grad is not None])
-        return logits.detach(), g.detach(), grads
+            ws = G.mapping(z, None)
+            img = G.synthesis(ws, noise_mode="const")
+            (gw,) = torch.autograd.grad((img * probe).sum(), ws, create_graph=True)
+            gw.square().sum().backward()
+        d_grads = torch.cat([p.grad.flatten() for p in D.parameters() if p.grad is not None])
+        g_grads = torch.cat([p.grad.flatten() for p in G.parameters() if p.grad is not None])
+        return logits.detach(), g.detach(), d_grads, img.detach(), g_grads
 
     want = run(dict(ops.DEFAULT_IMPL))
     got = run(impl)
     D.zero_grad(set_to_none=True)
-    return {"impl": impl, "err_logits": rel_err(got[0], want[0]), "err_r1_input_grad": rel_err(got[1], want[1]),
-            "err_r1_param_grads": rel_err(got[2], want[2])}
+    G.zero_grad(set_to_none=True)
+    names = ("err_d_logits", "err_r1_input_grad", "err_r1_d_param_grads", "err_g_images", "err_pl_g_param_grads")
+    return {"impl": impl, **{k: rel_err(a, b) for k, a, b in zip(names, got, want)}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,6 +704,10 @@ def print_tables(report):
                                                            f"{r.get('rel_time', float('nan')):.2f}")
                 for r in ranking[:4]))
         print(f"  train combo: {combo(best, 'train')}   infer combo: {combo(best, 'infer')}")
+    if report["sg3_filtered_lrelu"]:
+        print("\n== SG3 filtered_lrelu (diagnostic; SG3 is not switched by ops.set_impl) ==")
+        for r in report["sg3_filtered_lrelu"]:
+            print(f"  {r['precision']:14s} {r['impl']:18s} {r['ms']:8.3f} ms  err {r['err_vs_sg3_fp32']:.1e}")
     if report["compile"]:
         print("\n== compile (bf16) ==")
         for r in report["compile"]:
@@ -684,7 +747,7 @@ def main():
                       "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
                       "cudnn_benchmark": True, "tf32_in_ops": False},
               "impl_choices": ops.IMPL_CHOICES, "default": ops.DEFAULT_IMPL,
-              "ops": [], "best": {}, "compile": [], "generator": [], "trainer": [], "skipped": []}
+              "ops": [], "sg3_filtered_lrelu": [], "best": {}, "compile": [], "generator": [], "trainer": [], "skipped": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -696,6 +759,7 @@ def main():
     if "ops" in sections:
         print("== ops ==", flush=True)
         run_ops(cases, timer, clock, device, a.smoke, report["ops"], report["skipped"])
+        run_sg3_filtered_lrelu(timer, clock, device, a.smoke, report["sg3_filtered_lrelu"], report["skipped"])
         report["best"] = pick_best(report["ops"], cases)
         save()
     best = report["best"] or {"train": {}, "infer": {}, "ranking": {}}
