@@ -23,7 +23,9 @@ passed on, and what does not fit is listed under "skipped" in the JSON):
 2. compile  torch.compile (default mode) of the default and the best two eager variants
             per knob (plus fir=shifts, which only pays off compiled), bf16.
 3. generator  the whole SG2-1024 generator, batch 1 and 32, NVlabs mixed precision and bf16
-            autocast: default implementation vs the best inference variants set globally.
+            autocast: default implementation vs the best inference variants set globally; at
+            batch 32 also with fused_modconv=False (a dense conv over the batch instead of a
+            grouped conv with per-sample weights) with the default, best-train and best-infer ops.
 4. trainer  training.trainer.Trainer, emoji64 preset (as scripts/profile_trainer.py): ms per
             iteration over 32 iterations (2 R1 + 8 path-length steps) for the default, the best
             training variants with grad=aten and with grad=gradfix, gradfix alone, then each
@@ -528,38 +530,47 @@ def run_generator(best, timer, clock, device, smoke, results, skipped):
                   conv_clamp=256)
     torch.manual_seed(0)
     G = build_generator("stylegan2", kw).to(device).eval().requires_grad_(False)
-    impls = {"default": dict(ops.DEFAULT_IMPL), "best-infer": {**ops.DEFAULT_IMPL, **combo(best, "infer")}}
-    if impls["best-infer"] == impls["default"]:
-        del impls["best-infer"]
-    for batch in (1, 32) if not smoke else (2,):
-        z = torch.randn(batch, G.z_dim, device=device)
-        with torch.no_grad(), tf32(False):
-            ref = G(z, None, force_fp32=True)
-        for name, impl in impls.items():
-            for precision in ("mixed", "bf16"):
-                label = f"G1024 b{batch} {precision} {name}"
-                if clock.left("generator") < 3:
-                    skipped.append(f"generator: {label}")
-                    continue
-                try:
-                    with ops.use_impl(**impl), torch.no_grad():
-                        if precision == "bf16":
-                            def fn():
-                                with torch.autocast(device.type, dtype=torch.bfloat16):
-                                    return G(z, None)
-                        else:
-                            def fn():
-                                return G(z, None)
-                        err = rel_err(fn().float(), ref)
-                        t = timer.median(fn, min_iters=20, seconds=1.0)
-                    results.append({"batch": batch, "precision": precision, "impl": name, "settings": impl, **t,
-                                    "ms_per_image": t["ms"] / batch, "err_vs_fp32": err})
-                    print(f"  {label:40s} {t['ms']:9.3f} ms  ({t['ms'] / batch:7.3f} ms/img)  err {err:.2e}",
-                          flush=True)
-                except Exception as exc:
-                    skipped.append(f"generator: {label}: {type(exc).__name__}: {exc}")
-                    traceback.print_exc()
-        del ref
+    impls = {"default": dict(ops.DEFAULT_IMPL), "best-infer": {**ops.DEFAULT_IMPL, **combo(best, "infer")},
+             # Dense (unfused) modconv shares one weight over the batch, like training: its winners apply.
+             "best-train": {**ops.DEFAULT_IMPL, **combo(best, "train"), "grad": "aten"}}
+    big = 2 if smoke else 32
+    # (batch, precision, fused_modconv, impl): fused modconv = one grouped conv with per-sample
+    # weights (the default at inference); unfused = a dense conv over the batch.
+    plan = [(b, prec, True, name) for b in ((1, big) if not smoke else (big,)) for name in ("default", "best-infer")
+            for prec in ("mixed", "bf16")]
+    plan += [(big, "bf16", False, name) for name in ("default", "best-train", "best-infer")]
+    done = []
+    refs = {}
+    for batch, precision, fused, name in plan:
+        impl = impls[name]
+        if (batch, precision, fused, impl) in done:
+            continue   # the best variants are the defaults: nothing new to time
+        done.append((batch, precision, fused, impl))
+        label = f"G1024 b{batch} {precision} fused_modconv={fused} {name}"
+        if clock.left("generator") < 3:
+            skipped.append(f"generator: {label}")
+            continue
+        try:
+            if batch not in refs:
+                refs.clear()
+                free_memory(device)
+                z = torch.randn(batch, G.z_dim, device=device, generator=torch.Generator(device).manual_seed(batch))
+                with torch.no_grad(), tf32(False):
+                    refs[batch] = (z, G(z, None, force_fp32=True))
+            z, ref = refs[batch]
+            with ops.use_impl(**impl), torch.no_grad():
+                def fn():
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                        return G(z, None, fused_modconv=fused)
+                err = rel_err(fn().float(), ref)
+                t = timer.median(fn, min_iters=20, seconds=1.0)
+            results.append({"batch": batch, "precision": precision, "fused_modconv": fused, "impl": name,
+                            "settings": impl, **t, "ms_per_image": t["ms"] / batch, "err_vs_fp32": err})
+            print(f"  {label:58s} {t['ms']:9.3f} ms  ({t['ms'] / batch:7.3f} ms/img)  err {err:.2e}", flush=True)
+        except Exception as exc:
+            skipped.append(f"generator: {label}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+    refs.clear()
     del G
     free_memory(device)
 
@@ -716,7 +727,8 @@ def print_tables(report):
     if report["generator"]:
         print("\n== whole generator ==")
         for r in report["generator"]:
-            print(f"  b{r['batch']:<3d} {r['precision']:6s} {r['impl']:11s} {r['ms']:9.3f} ms "
+            print(f"  b{r['batch']:<3d} {r['precision']:6s} {'fused' if r['fused_modconv'] else 'dense'} "
+                  f"{r['impl']:11s} {r['ms']:9.3f} ms "
                   f"({r['ms_per_image']:7.3f} ms/img, {1e3 / r['ms_per_image']:7.0f} img/s)  err {r['err_vs_fp32']:.1e}")
     if report["trainer"]:
         print("\n== trainer (emoji64) ==")
@@ -738,7 +750,7 @@ def main():
     device = torch.device("cpu" if a.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA GPU: run on the GPU machine, or use --smoke to check the script on the CPU")
-    shares = {"ops": 150, "compile": 65, "generator": 40, "trainer": 75}
+    shares = {"ops": 150, "compile": 50, "generator": 50, "trainer": 75}
     clock = Clock(a.budget, {k: v for k, v in shares.items()})
     timer = Timer(device, a.smoke)
     torch.backends.cudnn.benchmark = True   # as the trainer does; the first call of each shape autotunes
