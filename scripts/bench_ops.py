@@ -571,7 +571,6 @@ def run_generator(best, timer, clock, device, smoke, results, skipped):
             skipped.append(f"generator: {label}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
     refs.clear()
-    del G
     free_memory(device)
 
 

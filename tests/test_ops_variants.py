@@ -8,7 +8,7 @@ StyleGAN2 networks. The speed of each is measured on the GPU by scripts/bench_op
 from __future__ import annotations
 
 import itertools
-import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -418,3 +418,48 @@ def test_variants_on_cuda_bf16_channels_last():
             with ops.use_impl(**{knob: kind}):
                 got = ops.conv2d_resample(x.bfloat16().to(memory_format=cl), w.bfloat16(), **kw).double()
             assert rel_err(got, ref) < max(3 * base, 1e-2), (knob, kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/bench_ops.py: how it picks winners (the GPU run itself is next session's)
+
+
+def load_bench():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_ops", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_ops"] = module   # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["bench_ops"]
+    return module
+
+
+def test_bench_picks_the_fastest_accurate_variant():
+    bench = load_bench()
+    cases = [bench.Case("G.up", "up", "train", None, None, {"fwd": 1, "bwd": 1, "dbl": 0.125})]
+    ms = {  # (variant, grad): (fwd, bwd, dbl, accurate)
+        ("transpose", "aten"): (1.0, 3.0, 40.0, True), ("transpose", "gradfix"): (1.0, 3.1, 8.0, True),
+        ("subpixel-fused", "aten"): (0.4, 1.5, 30.0, True), ("subpixel-fused", "gradfix"): (0.4, 1.6, 6.0, True),
+        ("zero-insert-fused", "aten"): (0.1, 0.2, 1.0, False), ("zero-insert-fused", "gradfix"): (0.1, 0.2, 1.0, False),
+    }
+    rows = []
+    for (variant, grad), (fwd, bwd, dbl, ok) in ms.items():
+        for mode, t in (("fwd", fwd), ("bwd", bwd), ("dbl", dbl)):
+            if mode == "fwd" and grad == "gradfix":
+                continue
+            rows.append({"case": "G.up", "purpose": "train", "knob": "up", "variant": variant, "grad": grad,
+                         "dtype": "bf16", "layout": "CL", "mode": mode, "ms": t, "ok": ok})
+    for variant, t in (("transpose", 2.0), ("subpixel", 1.0), ("subpixel-fused", 3.0)):
+        rows.append({"case": "G1024.b64", "purpose": "infer", "knob": "up", "variant": variant, "grad": "aten",
+                     "dtype": "bf16", "layout": "NCHW", "mode": "fwd", "ms": t, "ok": True})
+    best = bench.pick_best(rows, cases)
+    assert best["train"]["up"] == {"variant": "subpixel-fused", "grad": "gradfix"}   # inaccurate one excluded
+    ranking = best["ranking"]["train.up"]
+    assert ranking[0]["speedup"] == pytest.approx((1 + 3 + 40 / 8) / (0.4 + 1.6 + 6 / 8))
+    assert all(r["variant"] != "zero-insert-fused" for r in ranking)
+    assert best["infer"]["up"] == {"variant": "subpixel"}
+    assert bench.combo(best, "train", grad="aten") == {"up": "subpixel-fused", "grad": "aten"}
