@@ -7,6 +7,8 @@ pipelines' `to_uint8_images` — before the feature networks see them.
 """
 from __future__ import annotations
 
+import abc
+
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -61,17 +63,17 @@ def to_uint8_nchw(images, value_range: tuple[float, float] = (-1.0, 1.0), what: 
     return np.ascontiguousarray(x)
 
 
-class ImageSource:
+class ImageSource(abc.ABC):
     """A finite, ordered set of images. Subclasses give `__len__`, `batches` and (if they can) `get`."""
 
     name: str = "images"
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
 
+    @abc.abstractmethod
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         """uint8 [B, 3, H, W] batches in order; a batch never mixes image sizes."""
-        raise NotImplementedError
 
     def get(self, indices: Sequence[int]) -> list[np.ndarray]:
         """Random access: uint8 [3, H, W] per index."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from core.errors import InputError, ModelLoadError
+from models.common import jsonable, load_state_strict  # noqa: F401  (re-exported)
 from models.ops import (
     FullyConnectedLayer,
     activation_gain,
@@ -58,19 +59,6 @@ __all__ = [
 ]
 
 NOISE_MODES = ("random", "const", "none")
-
-
-def jsonable(value: Any) -> Any:
-    """Constructor kwargs as plain JSON values (numpy scalars -> Python, tuples -> lists)."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise InputError(f"constructor argument {value!r} of type {type(value).__name__} cannot be saved as JSON")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -799,27 +787,6 @@ def _record_kwargs(rec, expected_class: str, positional: tuple[str, ...]) -> dic
         return jsonable(kwargs)
     except InputError as exc:
         raise ModelLoadError(f"the pickled {expected_class} has an argument we cannot use: {exc}") from None
-
-
-def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
-    """load_state_dict(strict=True) with a ModelLoadError that lists what differs."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong_shape = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
-    if missing or unexpected or wrong_shape:
-        def head(keys):
-            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-        parts = []
-        if missing:
-            parts.append(f"missing {head(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {head(unexpected)}")
-        if wrong_shape:
-            parts.append("wrong shape " + head([f"{k} {list(state[k].shape)} vs {list(own[k].shape)}"
-                                                for k in wrong_shape]))
-        raise ModelLoadError(f"the weights do not fit the {what} built from its config: " + "; ".join(parts))
-    module.load_state_dict(state, strict=True)
 
 
 def _build(cls, kwargs: dict, what: str):

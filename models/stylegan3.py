@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import InputError, ModelLoadError
+from models.common import jsonable, load_state_strict
 
 __all__ = [
     "ARCH",
@@ -669,7 +670,7 @@ class Generator(torch.nn.Module):
     ):
         super().__init__()
         mapping_kwargs = dict(mapping_kwargs or {})
-        self.init_kwargs = _json_safe(dict(z_dim=z_dim, c_dim=c_dim, w_dim=w_dim, img_resolution=img_resolution,
+        self.init_kwargs = jsonable(dict(z_dim=z_dim, c_dim=c_dim, w_dim=w_dim, img_resolution=img_resolution,
                                            img_channels=img_channels, mapping_kwargs=mapping_kwargs,
                                            **synthesis_kwargs))
         self.z_dim = int(z_dim)
@@ -697,23 +698,6 @@ class Generator(torch.nn.Module):
         return self.synthesis(ws, noise_mode=noise_mode, update_emas=update_emas)
 
 
-def _json_safe(value: Any) -> Any:
-    """Turn numpy scalars/arrays and tuples from NVlabs kwargs into plain JSON types."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _json_safe(value.tolist())
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    return value
-
-
 def generator_from_record(rec: Any) -> Generator:
     """Build our Generator from an NVlabs StyleGAN3 `G`/`G_ema` PersistentRecord and load its tensors.
 
@@ -732,23 +716,11 @@ def generator_from_record(rec: Any) -> Generator:
     if "synthesis.input.freqs" not in state:
         raise ModelLoadError("this generator has no Fourier-feature input (synthesis.input.freqs), so it is not "
                              "StyleGAN3; load it as StyleGAN2")
-    kwargs = _json_safe(dict(rec.init_kwargs))
+    kwargs = jsonable(dict(rec.init_kwargs))
     try:
         G = Generator(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"cannot build a StyleGAN3 generator from the pickle's settings {kwargs}: {exc}") from None
 
-    ours = G.state_dict()
-    missing = sorted(set(ours) - set(state))
-    unexpected = sorted(set(state) - set(ours))
-    mismatched = sorted(k for k in set(ours) & set(state) if tuple(ours[k].shape) != tuple(state[k].shape))
-    if missing or unexpected or mismatched:
-        parts = []
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
-            if keys:
-                more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
-                parts.append(f"{label}: {', '.join(keys[:5])}{more}")
-        raise ModelLoadError("the StyleGAN3 pickle's tensors do not match the network its settings describe ("
-                             + "; ".join(parts) + "); the file may be from a modified StyleGAN3 fork")
-    G.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    load_state_strict(G, {k: v.to(torch.float32) for k, v in state.items()}, "StyleGAN3 generator")
     return G.eval()

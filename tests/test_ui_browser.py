@@ -206,6 +206,7 @@ def test_select_image_and_send_parameters_back(page):
     fill(page, "seed-input", "999")
     page.click("#send-back-btn")
     page.wait_for_function("document.querySelector('#seed-input textarea').value === '22'")
+    assert page.locator("#seed-input textarea").input_value() == "22"
 
 
 def test_stop_during_a_long_job_and_sessions_stay_apart(browser, studio, page):

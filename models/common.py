@@ -1,0 +1,46 @@
+"""Helpers the StyleGAN2 and StyleGAN3 files share: JSON-safe constructor kwargs and a strict
+state-dict load whose error says what differs."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.errors import InputError, ModelLoadError
+
+
+def jsonable(value: Any) -> Any:
+    """Constructor kwargs as plain JSON values (numpy scalars/arrays -> Python, tuples -> lists)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise InputError(f"constructor argument {value!r} of type {type(value).__name__} cannot be saved as JSON")
+
+
+def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
+    """load_state_dict(strict=True) with a ModelLoadError that lists what differs."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong_shape = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or wrong_shape:
+        def head(keys):
+            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+        parts = []
+        if missing:
+            parts.append(f"missing {head(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {head(unexpected)}")
+        if wrong_shape:
+            parts.append("wrong shape " + head([f"{k} {list(state[k].shape)} vs {list(own[k].shape)}"
+                                                for k in wrong_shape]))
+        raise ModelLoadError(f"the weights do not fit the {what} built from its config: " + "; ".join(parts))
+    module.load_state_dict(state, strict=True)
