@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 gradio_client = pytest.importorskip("gradio_client")
-from gradio_client import Client, handle_file  # noqa: E402
+from gradio_client import Client
+from gradio_client.utils import QueueError, handle_file  # noqa: E402
 
 from core.pnginfo import read_png_params  # noqa: E402
 from tests.ui_helpers import SG_COND, SG_UNCOND, running_studio, tiny_sd_folder  # noqa: E402
@@ -43,7 +44,11 @@ def wait_for_step(c: Client, min_step: int = 2, timeout: float = 120.0) -> int:
     """Poll the panel (as the browser's timer does) until this session's job reports `min_step` steps."""
     t0, progress = time.time(), ""
     while time.time() - t0 < timeout:
-        progress = c.predict(api_name="/telemetry")[5]
+        try:
+            progress = c.predict(api_name="/telemetry")[5]
+        except QueueError:        # gradio_client sends even queue=False events through the queue: poll again
+            time.sleep(0.2)
+            continue
         m = re.search(r"step (\d+)/(\d+)", progress)
         if m and int(m.group(1)) >= min_step:
             return int(m.group(1))

@@ -308,6 +308,7 @@ def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
     preset = page.locator("#train-preset input")
     preset.fill("tiny")
     preset.press("Enter")
+    page.wait_for_function("document.querySelector('#train-preset input').value === 'tiny'")
     set_number(page, "train-kimg", 50)
     page.locator("#train-more").get_by_text("Monitor and logging").click()
     set_number(page, "train-monitor-kimg", 0.016)
@@ -315,7 +316,12 @@ def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
     fill(page, "train-name", "browser-run")
     page.click("#train-start-btn")
 
-    page.wait_for_function("document.querySelector('#train-status').innerText.includes('training:')", timeout=60_000)
+    try:
+        page.wait_for_function("/training:|failed/.test(document.querySelector('#train-status').innerText)",
+                               timeout=120_000)
+    except sync_api.TimeoutError:
+        raise AssertionError(f"the run never reported; status: {page.inner_text('#train-status')!r}") from None
+    assert "training:" in page.inner_text("#train-status"), page.inner_text("#train-status")
     kimg = "parseFloat(document.querySelector('#train-status').innerText.match(/kimg\\s+([\\d.]+)/)[1])"
     first = page.evaluate(kimg)
     page.wait_for_function(f"{kimg} > {first}", timeout=30_000)           # the timer keeps it live
