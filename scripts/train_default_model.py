@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.export is not None:
             from training.export import export_run
 
-            paths = export_run(args.export or args.out, args.to, grid_path=args.grid)
+            from training.export import MAX_SHIPPED_BYTES
+
+            paths = export_run(args.export or args.out, args.to, grid_path=args.grid, max_bytes=MAX_SHIPPED_BYTES)
             print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
             return 0
         if args.bench:

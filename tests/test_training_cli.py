@@ -108,3 +108,23 @@ def test_sigterm_stops_at_a_log_point_with_a_checkpoint(tmp_path):
     assert proc.returncode == 0
     assert json.loads(stdout.strip().splitlines()[-1])["stop_reason"] == "stop requested"
     assert (out / "state.json").is_file() and (out / "samples.png").is_file()
+
+
+def test_export_any_size_for_users_and_a_budget_for_bundled_models(tmp_path, capsys):
+    from core.errors import InputError
+    from models.stylegan import load_generator
+    from training.export import export_run
+
+    data = _data(tmp_path)
+    run = tmp_path / "run"
+    assert cli.main(["--config", "tiny", "--data", str(data), "--out", str(run), "--kimg", "0.016",
+                     "--device", "cpu"]) == 0
+    capsys.readouterr()
+    # the CLI path (a user's own model): no size cap, loads in the studio's format
+    assert cli.main(["--export", str(run), "--to", str(tmp_path / "models" / "mine")]) == 0
+    loaded = load_generator(tmp_path / "models" / "mine.safetensors")
+    assert loaded.G.img_resolution == 16
+    # the bundled-model path: over the budget is refused and leaves no half-written model behind
+    with pytest.raises(InputError, match="budget for bundled models"):
+        export_run(run, tmp_path / "bundled" / "tiny", max_bytes=1024)
+    assert not (tmp_path / "bundled" / "tiny.safetensors").exists()

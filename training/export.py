@@ -58,8 +58,11 @@ def _monitor_summary(doc: dict) -> dict[str, Any]:
 
 
 def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | Path | None = None,
-               psi: float = 0.7, description: str | None = None) -> dict[str, Path]:
-    """Write the fp16 generator, its JSON, the model card and (optionally) the seeds 0-63 grid."""
+               psi: float = 0.7, description: str | None = None,
+               max_bytes: int | None = None) -> dict[str, Path]:
+    """Write the fp16 generator, its JSON, the model card and (optionally) the seeds 0-63 grid.
+
+    `max_bytes`: refuse a larger file (the bundled model's MAX_SHIPPED_BYTES); None = any size."""
     from models.stylegan import load_generator, save_generator
 
     run = Path(run)
@@ -81,9 +84,11 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
     }
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     size = weights.stat().st_size
-    if size > MAX_SHIPPED_BYTES:
-        raise InputError(f"the exported generator is {size / 2**20:.1f} MiB, over the 16 MiB budget for bundled "
-                         "models; train a smaller network (channel_base / channel_max)")
+    if max_bytes is not None and size > max_bytes:
+        weights.unlink(missing_ok=True)
+        weights.with_suffix(".json").unlink(missing_ok=True)
+        raise InputError(f"the exported generator is {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB "
+                         "budget for bundled models; train a smaller network (channel_base / channel_max)")
     paths = {"weights": weights, "config": weights.with_suffix(".json")}
 
     # Render from the file just written, as the studio will.
