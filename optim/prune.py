@@ -41,6 +41,11 @@ NO_SPEEDUP = ("none: the weights keep their shape and dense kernels still multip
 # Drift measurement (optim may not import evaluation/, so the two formulas live here too)
 
 
+
+class NotPrunable(Exception):
+    """This model has no structure the chosen pruning method can cut (reported as a skip reason)."""
+
+
 def psnr_db(ref: torch.Tensor, out: torch.Tensor, data_range: float) -> float:
     mse = float((ref.double() - out.double()).square().mean())
     return float("inf") if mse == 0 else 10 * math.log10(data_range**2 / mse)
@@ -218,7 +223,7 @@ def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
                     b.weight.mul_(math.sqrt(b.in_channels / old_in))
             channels_after[syn.layer_names[layers.index(a)]] = int(idx.numel())
     else:
-        raise NotImplementedError(f"no channel pruning for {type(syn).__name__}")
+        raise NotPrunable(f"no channel pruning for {type(syn).__name__}")
     return {"channels_before": channels_before, "channels_after": channels_after}
 
 
@@ -232,7 +237,7 @@ def structured_unet(unet: torch.nn.Module, amount: float, device: torch.device) 
     resnets = [(n, m) for n, m in unet.named_modules()
                if all(hasattr(m, a) for a in ("conv1", "conv2", "norm2")) and isinstance(m.norm2, torch.nn.GroupNorm)]
     if not resnets:
-        raise NotImplementedError(f"no ResNet blocks found in {type(unet).__name__}")
+        raise NotPrunable(f"no ResNet blocks found in {type(unet).__name__}")
     down = len(getattr(unet.config, "block_out_channels", (1,)))
     example = unet_probe_inputs(unet, device, size=2 ** max(down - 1, 0) * 2, tokens=8)
     was = {n: p.requires_grad for n, p in unet.named_parameters()}
@@ -294,7 +299,7 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
             details = structured_stylegan(module, amount)
         else:
             details = structured_unet(module, amount, dev)
-    except (NotImplementedError, ValueError) as exc:
+    except (NotPrunable, ValueError) as exc:
         return skipped(f"could not prune this model: {exc}", **base)
     out = probe()
     params_after = count_params(module)

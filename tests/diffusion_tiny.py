@@ -17,13 +17,9 @@ WORDS = ["a", "cat", "the", "photo", "of", "dog", "red", "fox", "in", "snow", "p
 
 
 def _byte_symbols() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    codes, n = printable[:], 0
-    for b in range(256):
-        if b not in printable:
-            codes.append(256 + n)
-            n += 1
-    return [chr(c) for c in codes]
+    from models.diffusion_catalogue import _byte_symbols as clip_byte_symbols   # the same table CLIP uses
+
+    return clip_byte_symbols()
 
 
 def write_tiny_vocab(folder: Path) -> tuple[Path, Path, int]:
