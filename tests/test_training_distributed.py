@@ -37,7 +37,11 @@ def _worker(rank: int, world: int, port: int, data: str, out: str, result_dir: s
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"batch_gpu": tr.batch_gpu, "in_sync": all(torch.equal(g, gathered[0]) for g in gathered),
                    "step": tr.step, "nimg": tr.cur_nimg}, f)
+    tr.close()                     # as training.trainer.train() does: DDP wrappers go before the group
     dist_utils.cleanup()
+    # Leave without the interpreter's shutdown sequence: everything this worker reports is on disk,
+    # and the harness should judge the training, not the order in which CPython frees C++ threads.
+    os._exit(0)
 
 
 def test_two_ranks_stay_in_sync(tmp_path):

@@ -781,6 +781,20 @@ class Trainer:
                      f"{summary['piece_seconds']:.0f} s; checkpoint in {self.out}")
         return summary
 
+    def close(self) -> None:
+        """Release the DDP wrappers (and the process group they hold) before the group is destroyed.
+
+        gloo's worker threads are joined when the last reference to its process group goes; if that
+        happens during interpreter shutdown instead, the process can abort ("terminate called without
+        an active exception") after a perfectly good run. Dropping the wrappers here makes the order
+        deterministic: wrappers first, then dist_utils.cleanup() destroys the group."""
+        import gc
+
+        for name in ("G_train", "D_train", "G_reg", "D_reg"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        gc.collect()
+
     def _flush_stats_for_snapshot(self) -> None:
         if self.dist.enabled:
             dist_utils.barrier(self.dist)
@@ -812,4 +826,5 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str
         return trainer.run()
     finally:
         if trainer.dist.enabled:
+            trainer.close()
             dist_utils.cleanup()
