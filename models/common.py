@@ -44,3 +44,13 @@ def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
                                                 for k in wrong_shape]))
         raise ModelLoadError(f"the weights do not fit the {what} built from its config: " + "; ".join(parts))
     module.load_state_dict(state, strict=True)
+
+
+def truncate(w_avg: torch.Tensor, w: torch.Tensor, psi) -> torch.Tensor:
+    """w_avg + psi * (w - w_avg), computed in w_avg's dtype and returned in w's.
+
+    Under autocast the mapping network's output is bf16/fp16 while the tracked mean stays fp32;
+    lerp needs one dtype, and the mean is better kept exact than rounded to the autocast type."""
+    if isinstance(psi, torch.Tensor):
+        psi = psi.to(w_avg.dtype)
+    return w_avg.lerp(w.to(w_avg.dtype), psi).to(w.dtype)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from core.errors import InputError, ModelLoadError
-from models.common import jsonable, load_state_strict  # noqa: F401  (re-exported)
+from models.common import jsonable, load_state_strict, truncate  # noqa: F401  (re-exported)
 from models.ops import (
     FullyConnectedLayer,
     activation_gain,
@@ -183,7 +183,7 @@ class MappingNetwork(torch.nn.Module):
             x = getattr(self, f"fc{idx}")(x)
 
         if update_emas and self.w_avg_beta is not None:
-            self.w_avg.copy_(x.detach().mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
+            self.w_avg.copy_(x.detach().to(self.w_avg.dtype).mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
 
         if self.num_ws is not None:
             x = x.unsqueeze(1).repeat([1, self.num_ws, 1])
@@ -192,12 +192,12 @@ class MappingNetwork(torch.nn.Module):
             if self.w_avg_beta is None:
                 raise InputError("truncation needs the running mean of w, which this mapping network does not track")
             if self.num_ws is None or truncation_cutoff is None:
-                x = self.w_avg.lerp(x, truncation_psi)
+                x = truncate(self.w_avg, x, truncation_psi)
             else:
                 # Only the first `cutoff` ws (coarse layers) move towards the mean; built
                 # out of place so it stays differentiable and free of in-place writes.
                 cutoff = int(truncation_cutoff)
-                head = self.w_avg.lerp(x[:, :cutoff], truncation_psi)
+                head = truncate(self.w_avg, x[:, :cutoff], truncation_psi)
                 x = torch.cat([head, x[:, cutoff:]], dim=1)
         return x
 

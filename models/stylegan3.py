@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import InputError, ModelLoadError
-from models.common import jsonable, load_state_strict
+from models.common import jsonable, load_state_strict, truncate
 
 __all__ = [
     "ARCH",
@@ -367,14 +367,13 @@ class MappingNetwork(torch.nn.Module):
 
             if update_emas:
                 with torch.no_grad():
-                    self.w_avg.copy_(x.detach().mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
+                    self.w_avg.copy_(x.detach().to(self.w_avg.dtype).mean(dim=0).lerp(self.w_avg, self.w_avg_beta))
 
         ws = x.unsqueeze(1).repeat([1, self.num_ws, 1])
         # A tensor psi always takes the lerp, so a compiled graph serves every psi without re-tracing.
         if isinstance(truncation_psi, torch.Tensor) or truncation_psi != 1:
             cut = int(truncation_cutoff)
-            psi = truncation_psi.to(ws.dtype) if isinstance(truncation_psi, torch.Tensor) else truncation_psi
-            truncated = self.w_avg.lerp(ws[:, :cut], psi)
+            truncated = truncate(self.w_avg, ws[:, :cut], truncation_psi)
             ws = torch.cat([truncated, ws[:, cut:]], dim=1)
         return ws
 

@@ -32,6 +32,29 @@ def test_bf16_autocast_stylegan3_close_to_fp32(testdata):
     assert rel_err(ref, out) < 0.03
 
 
+@pytest.mark.parametrize("name,cutoff", [("sg2_uncond_32", None), ("sg2_uncond_32", 4), ("sg3t_uncond_32", None)])
+def test_bf16_autocast_with_truncation(testdata, name, cutoff):
+    """Truncation (psi != 1) under autocast: the mapping's bf16 output meets the fp32 running mean.
+    The studio's default psi is 0.7, so this is the everyday path (it once raised a dtype error)."""
+    import numpy as np
+
+    G = load_G(testdata, name)
+    z = torch.from_numpy(np.random.RandomState(0).randn(2, G.z_dim)).float()
+    c = torch.zeros(2, G.c_dim)
+    kw = dict(truncation_psi=0.7, noise_mode="const")
+    if cutoff is not None:
+        kw["truncation_cutoff"] = cutoff
+    with torch.no_grad():
+        ref = G(z, c, **kw).float()
+    Gb, _ = prepared(testdata, name, Flags(precision="bf16"))
+    with torch.no_grad(), optim.runtime(Flags(precision="bf16"), CPU):
+        out = Gb(z, c, **kw).float()
+        ws = Gb.mapping(z, c, **{k: v for k, v in kw.items() if k != "noise_mode"})
+    assert torch.isfinite(out).all() and not torch.equal(out, ref)
+    assert psnr(ref, out, 2.0) > 30.0
+    assert G.mapping.w_avg.dtype == torch.float32 and ws.dtype in (torch.bfloat16, torch.float32)
+
+
 def test_fp32_is_the_reference_bit_for_bit(testdata):
     ref = generate(load_G(testdata, "sg2_uncond_32"), Flags())
     G, report = prepared(testdata, "sg2_uncond_32", Flags())
