@@ -189,6 +189,15 @@ class Job:
         self.started = time.time()
         self._last_step_t: float | None = None
 
+    def child(self) -> "Job":
+        """A job with its own timings and trace that shares this one's cancel token and progress
+        callback: one press that runs several generations (a comparison) times each separately,
+        and Stop still reaches whichever is running."""
+        sub = Job(self._on_progress, self._sync)
+        sub._cancel = self._cancel
+        sub.stage_name = self.stage_name
+        return sub
+
     def cancel(self) -> None:
         self._cancel.set()
 

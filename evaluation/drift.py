@@ -124,4 +124,33 @@ def compare(reference: Any, candidate: Any, data_range: float | None = None, lay
     }
 
 
-__all__ = ["psnr", "ssim", "compare"]
+# A perceptually ordered dark-to-bright ramp (black, indigo, magenta, orange, pale yellow) so that
+# a difference map reads at a glance: black where the images agree, bright where they do not.
+_RAMP = np.array([[0, 0, 4], [59, 15, 112], [140, 41, 129], [222, 73, 104], [254, 159, 109], [252, 253, 191]],
+                 dtype=np.float64)
+
+
+def difference_map(reference: Any, candidate: Any, gain: float | None = None,
+                   layout: str | None = None) -> tuple[np.ndarray, float]:
+    """A heat map of |reference - candidate| for the first image pair: uint8 [H, W, 3] and the gain used.
+
+    The per-pixel difference (mean over channels, in units of the data range) is multiplied by
+    `gain` and clipped to [0, 1] before colouring. With gain None it is chosen so that the 99.5th
+    percentile of the difference fills the ramp (at least 1x, at most 1000x), so small drift is
+    visible and the caption can say by how much it was amplified. Identical images give black."""
+    a, b, rng = _pair(reference, candidate, None, layout)
+    d = ((a[0] - b[0]).abs() / rng).mean(dim=0)                          # [H, W], 0..1
+    d = torch.nan_to_num(d, nan=1.0, posinf=1.0, neginf=1.0).numpy()   # NaN pixels show as the brightest
+    if gain is None:
+        top = float(np.percentile(d, 99.5))
+        gain = 1.0 if top <= 0 else float(min(1000.0, max(1.0, 1.0 / top)))
+    if not (gain > 0 and math.isfinite(gain)):
+        raise InputError(f"gain must be a positive number; got {gain}")
+    t = np.clip(d * gain, 0.0, 1.0) * (len(_RAMP) - 1)
+    lo = np.floor(t).astype(np.int64).clip(0, len(_RAMP) - 2)
+    frac = (t - lo)[..., None]
+    rgb = _RAMP[lo] * (1.0 - frac) + _RAMP[lo + 1] * frac
+    return np.round(rgb).astype(np.uint8), float(gain)
+
+
+__all__ = ["psnr", "ssim", "compare", "difference_map"]

@@ -51,6 +51,13 @@ class ModelManager:
                 self._evict_one()
             return pipe
 
+    def is_loaded(self, request: GenerationRequest) -> bool:
+        """Whether a pipeline for exactly this request's model, flags and device is in the cache."""
+        device = pick_device(request.device or self.default_device)
+        entry = self.catalogue.resolve(request.model, request.backend)
+        with self._lock:
+            return self._key(request, device, entry.id) in self._cache
+
     def _load(self, request: GenerationRequest, entry, device: torch.device):
         import time
 

@@ -82,3 +82,34 @@ def test_ssim_of_flat_images_is_the_luminance_term():
     b = np.full((1, 20, 20, 3), 110, np.uint8)
     c1 = (0.01 * 255) ** 2
     assert ssim(a, b) == pytest.approx((2 * 100 * 110 + c1) / (100 ** 2 + 110 ** 2 + c1), rel=1e-12)
+
+
+def test_difference_map_is_black_where_images_agree_and_bright_where_they_differ():
+    from evaluation.drift import difference_map
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, size=(32, 48, 3), dtype=np.uint8)
+    same, gain = difference_map(a, a.copy())
+    assert same.shape == (32, 48, 3) and same.dtype == np.uint8
+    assert (same == same[0, 0]).all() and same[0, 0].sum() < 10 and gain == 1.0   # all black, no gain
+    b = a.copy()
+    b[10:20, 5:15] = 255 - b[10:20, 5:15]                                         # one changed block
+    heat, gain = difference_map(a, b)
+    inside, outside = heat[10:20, 5:15].astype(int).sum(-1), heat[:8].astype(int).sum(-1)
+    assert inside.mean() > 300 and outside.max() < 10
+    assert gain >= 1.0
+
+
+def test_difference_map_amplifies_small_drift_and_reports_the_gain():
+    from evaluation.drift import difference_map
+
+    a = np.full((16, 16, 3), 0.5, dtype=np.float32)
+    b = a.copy()
+    b[4:8, 4:8] += 0.002                                        # invisible without amplification
+    heat, gain = difference_map(a, b)
+    assert 400 < gain <= 1000                                   # 0.002 of the range -> about 500x
+    assert heat[4:8, 4:8].astype(int).sum(-1).min() > 500 and heat[12:, 12:].astype(int).sum(-1).max() < 10
+    fixed, g = difference_map(a, b, gain=1.0)
+    assert g == 1.0 and fixed.astype(int).sum(-1).max() < 40    # unamplified: nearly black
+    with pytest.raises(InputError, match="gain"):
+        difference_map(a, b, gain=0)

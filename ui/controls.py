@@ -144,7 +144,7 @@ class JobSpec:
     """What one press of Generate asks for."""
 
     request: GenerationRequest
-    kind: str                                  # images | style-mix | interpolate | diffusion
+    kind: str                                  # images | style-mix | interpolate | diffusion | compare
     mix: MixSpec | None = None
     frames_per_seed: int = 24
     space: str = "w"
@@ -195,6 +195,13 @@ def job_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
         return JobSpec(request, mode, frames_per_seed=_opt_int(v.get("frames_per_seed", 24)) or 24,
                        space=v.get("interp_space") or "w", animation_format=fmt, fps=fps)
     return JobSpec(request, "images")
+
+
+def compare_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
+    """The Compare button: the same images as Generate would make (StyleGAN: the seeds as plain
+    images, whatever tab is open), run with the fp32 reference and with the chosen toggles."""
+    spec = job_spec({**v, "sg_mode": "images"}, device)
+    return JobSpec(spec.request, "compare")
 
 
 # -- the reverse: saved parameters -> control values ------------------------------------------

@@ -24,6 +24,7 @@ from pipelines.services import Services
 from pipelines.stylegan import write_animation
 from telemetry.live import DONE, FAILED, STOPPED, MemoryHistory
 from telemetry.metrics import StudioMetrics
+from ui.compare import run_comparison
 from ui.controls import JobSpec
 from ui.state import GpuQueue, ResultItem, SessionState, Ticket
 
@@ -167,6 +168,14 @@ class StudioRuntime:
             tracker.finish(FAILED, job.timings_ms, message=msg)
             self.metrics.observe_job(backend, "failed", job.timings_ms)
             return Progress(done=True, state=FAILED, message=msg, error=err)
+        if spec.kind == "compare":
+            comp = result
+            peak = max(comp.reference.peak_bytes, comp.candidate.peak_bytes) or None
+            msg = comp.summary()
+            tracker.finish(DONE, job.timings_ms, images=2 * len(comp.reference.images), peak_bytes=peak, message=msg)
+            self.metrics.observe_job(backend, "done", job.timings_ms, images=2 * len(comp.reference.images))
+            session.comparison = comp
+            return Progress(done=True, state=DONE, message=msg)
         items: list[ResultItem] = box["items"]
         total_ms = sum(job.timings_ms.values())
         n = len(items) if spec.kind != "images" else len(result.images)
@@ -192,6 +201,8 @@ class StudioRuntime:
     def _execute(self, spec: JobSpec, job: Job, tracker) -> tuple[list[ResultItem], Any]:
         manager = self.services.manager
         req = spec.request
+        if spec.kind == "compare":
+            return [], run_comparison(manager, req, job)
         if spec.kind in ("images", "diffusion"):
             result = manager.generate(req, job)
             if result.cancelled:      # diffusion stops by returning an empty, cancelled result

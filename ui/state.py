@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.types import Job
 from telemetry.live import JobTracker
@@ -81,6 +82,7 @@ class SessionState:
     tickets: dict[int, Ticket] = field(default_factory=dict)  # this session's jobs not yet started, by id
     results: list[ResultItem] = field(default_factory=list)
     selected: int | None = None
+    comparison: Any = None                     # the last ui.compare.Comparison of this session
     timer_interval: float = 0.0        # what the panel's timer was last set to
 
     def __deepcopy__(self, memo):

@@ -27,7 +27,8 @@ from pipelines.tools import optimization_availability
 from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
 from ui import panel
-from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, controls_from_params, job_spec,
+from ui.compare import render_comparison
+from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, compare_spec, controls_from_params, job_spec,
                          random_seed, size_label)
 from ui.runner import MAX_GALLERY, StudioRuntime
 from ui.state import SessionState, new_session
@@ -330,6 +331,20 @@ def build_app(services: Services) -> gr.Blocks:
                                                            height=220)
                                 png_params = gr.JSON(label="Parameters", elem_id="pnginfo-json", open=True)
                                 png_send_btn = gr.Button("Send to controls", elem_id="pnginfo-send", size="sm")
+                            with gr.Tab("Compare", id="compare", elem_id="compare-tab"):
+                                gr.Markdown("Your settings against the **fp32 reference** (every toggle off), same "
+                                            "model and seeds, one after the other: what the toggles do to speed, "
+                                            "memory and the picture.", elem_id="compare-intro")
+                                compare_btn = gr.Button("Compare with the fp32 reference", elem_id="compare-btn",
+                                                        size="sm")
+                                compare_slider = gr.ImageSlider(label="fp32 reference ↔ your settings", type="pil",
+                                                                interactive=False, elem_id="compare-slider",
+                                                                max_height=420, buttons=["fullscreen"])
+                                with gr.Row(equal_height=False):
+                                    compare_diff = gr.Image(label="Difference (amplified)", interactive=False,
+                                                            elem_id="compare-diff", height=240, scale=2,
+                                                            buttons=["fullscreen"])
+                                    compare_table = gr.HTML("", elem_id="compare-table", scale=3)
 
                     # ---------------------------------------------------------------- live side panel
                     with gr.Column(scale=3, min_width=250, elem_id="perf-panel"):
@@ -392,6 +407,13 @@ def build_app(services: Services) -> gr.Blocks:
 
         def prepare(*values):
             """Validate at once (errors show before the job queues) and mark this session as waiting."""
+            return _prepare(values, job_spec)
+
+        def prepare_compare(*values):
+            """As prepare, for the Compare button."""
+            return _prepare(values, compare_spec)
+
+        def _prepare(values, make_spec):
             *vals, sess = values
             v = dict(zip(CONTROL_NAMES, vals))
             if sess.job is not None or sess.waiting_ticket() is not None:
@@ -401,7 +423,7 @@ def build_app(services: Services) -> gr.Blocks:
                 raise gr.Error(f"The GPU queue is full ({waiting} jobs waiting, the limit is {settings.queue_max_size}). "
                                "Try again in a minute.")
             try:
-                spec = job_spec(v, settings.device)
+                spec = make_spec(v, settings.device)
             except AtelierError as exc:
                 raise gr.Error(str(exc)) from None
             ticket = rt.enqueue(sess, spec.kind)
@@ -447,6 +469,43 @@ def build_app(services: Services) -> gr.Blocks:
                 else:
                     yield skip, gr.Image(visible=False), html, skip, skip
                     raise gr.Error(ev.message)
+
+        def compare(backend=None, model=None, seed=None, sg_mode=None, truncation_psi=None, truncation_cutoff=None,
+                    noise_mode=None, class_index=None, sg_batch_size=None, mix_rows=None, mix_cols=None, mix_from=None,
+                    mix_to=None, frames_per_seed=None, interp_space=None, animation_format=None, fps=None, prompt=None,
+                    negative_prompt=None, steps=None, guidance=None, size=None, scheduler=None, batch_size=None,
+                    init_image=None, strength=None, preview_every=None, precision=None, channels_last=None,
+                    attention=None, compile_mode=None, fp8=None, prune_amount=None, prune_method=None, tensorrt=None,
+                    memory_savers=None, ticket=None, sess: SessionState = None, request: gr.Request = None):
+            """Run the request with the fp32 reference and with the chosen toggles; yields progress, ends with
+            the two images on a slider, their difference map and a table of latency, memory and drift."""
+            v = {k: val for k, val in locals().items() if k in CONTROL_NAMES and val is not None}
+            v["model"] = _model_for_backend(services, v.get("backend") or "stylegan", v.get("model"))
+            rt.remember(getattr(request, "session_hash", None), sess)
+            try:
+                spec = compare_spec(v, settings.device)
+            except AtelierError as exc:
+                t = sess.tickets.pop(int(ticket), None) if ticket else None
+                if t is not None:
+                    rt.queue.leave(t)
+                sess.tracker.finish(FAILED, {}, message=str(exc))
+                raise gr.Error(str(exc)) from None
+            skip = gr.skip()
+            for ev in rt.run(sess, spec, ticket):
+                if not ev.done:
+                    yield skip, skip, skip, skip
+                    continue
+                html = panel.render_progress(sess.tracker.snapshot(), None, 0)
+                if ev.state == DONE and sess.comparison is not None:
+                    c = sess.comparison
+                    yield ((c.reference.images[0], c.candidate.images[0]),
+                           gr.Image(value=c.heat, label=f"Difference, first image (amplified {c.gain:.0f}×)"),
+                           render_comparison(c), html)
+                elif ev.state == FAILED:
+                    yield skip, skip, skip, html
+                    raise gr.Error(ev.message)
+                else:
+                    yield (skip, skip, skip, skip) if ev.quiet else (skip, skip, skip, html)
 
         def job_finished(sess: SessionState, ticket=None):
             """After the event chain: drop the ticket if its job never started (e.g. the queue refused it),
@@ -581,6 +640,14 @@ def build_app(services: Services) -> gr.Blocks:
                           show_progress="hidden", trigger_mode="multiple"
                           ).then(job_finished, [session, ticket_box], panel_outputs + [timer], api_name="job_finished",
                                  **fast)
+        cmp_event = compare_btn.click(prepare_compare, controls + [session], [progress_box, timer, ticket_box],
+                                      api_name="queue_compare", **fast)
+        cmp_event.success(compare, controls + [ticket_box, session],
+                          [compare_slider, compare_diff, compare_table, progress_box],
+                          api_name="compare", concurrency_id="gpu", concurrency_limit=1,
+                          show_progress="hidden", trigger_mode="multiple"
+                          ).then(job_finished, [session, ticket_box], panel_outputs + [timer],
+                                 api_name="compare_finished", **fast)
         C["prompt"].submit(lambda: None, None, None, js="() => document.querySelector('#generate-btn').click()",
                            api_name="prompt_submit", queue=False)
         stop_btn.click(stop, session, progress_box, api_name="stop", **fast)
