@@ -160,19 +160,25 @@ def test_gpu_structured_pruning_is_faster(testdata):
 
     cuda = torch.device("cuda")
 
-    def bench(G):
-        z = torch.randn(16, G.z_dim, device=cuda)
-        c = torch.zeros(16, G.c_dim, device=cuda)
+    def bench(G, batch=256):
+        # This 64 px test model (16-64 channels) is launch-bound on an H200 at small batches: hundreds of
+        # microsecond kernels take the same time with half the channels. At 256 images the convolutions'
+        # work dominates, which is the regime channel pruning speeds up.
+        z = torch.randn(batch, G.z_dim, device=cuda)
+        c = torch.zeros(batch, G.c_dim, device=cuda)
         c[:, 0] = 1
+        best = float("inf")
         with torch.no_grad():
-            for _ in range(5):
-                G(z, c)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                G(z, c)
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / 20
+            for _ in range(3):
+                G(z, c, noise_mode="const")
+            for _ in range(5):              # best of 5 rounds: another process's burst cannot fail the test
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    G(z, c, noise_mode="const")
+                torch.cuda.synchronize()
+                best = min(best, (time.perf_counter() - t0) / 5)
+        return best
 
     base = bench(reference_G(testdata, "sg2_cond4_64_fp16", cuda))
     G, report = prepared(testdata, "sg2_cond4_64_fp16", Flags(prune_amount=0.5, prune_method="structured"), device=cuda)
