@@ -1,6 +1,7 @@
-"""Screenshot of the studio with the bundled model for the README (headless Debian chromium).
+"""Screenshots of the studio with the bundled model for the README (headless Debian chromium).
 
 .venv/bin/python scripts/readme_screenshot.py docs/screenshots/studio-emoji64.png
+.venv/bin/python scripts/readme_screenshot.py --compare docs/screenshots/studio-compare.png   # the Compare tab, bf16
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def main(out: str) -> None:
+def main(out: str, compare: bool = False) -> None:
     from playwright import sync_api
 
     from core.settings import Settings
@@ -34,15 +35,30 @@ def main(out: str) -> None:
             page.set_default_timeout(60_000)
             page.goto(demo.local_url)
             page.wait_for_selector("#generate-btn")
-            page.locator("#seed-input textarea, #seed-input input").first.fill("0-15")
-            page.locator("#generate-btn").click()
-            page.wait_for_function("document.querySelectorAll('#output-gallery img').length >= 16")
-            page.wait_for_timeout(1500)
-            page.screenshot(path=out)
+            if compare:
+                page.locator("#seed-input textarea, #seed-input input").first.fill("0-3")
+                page.locator("#psi-input input[type=number]").fill("0.7")
+                page.locator("#optimization-panel").get_by_text("Optimization").first.click()
+                page.locator("#precision-select label", has_text="bf16").click()
+                page.locator("#opt-channels-last label").first.click()
+                page.get_by_role("tab", name="Compare").click()
+                page.locator("#compare-btn").click()
+                page.wait_for_function("document.querySelector('#compare-table').innerText.includes('drift: PSNR')")
+                page.wait_for_timeout(1500)
+                page.locator("#at-results").screenshot(path=out)
+            else:
+                page.locator("#seed-input textarea, #seed-input input").first.fill("0-15")
+                page.locator("#generate-btn").click()
+                page.wait_for_function("document.querySelectorAll('#output-gallery img').length >= 16")
+                page.wait_for_timeout(1500)
+                page.screenshot(path=out)
             b.close()
     finally:
         demo.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "docs" / "screenshots" / "studio-emoji64.png"))
+    args = [a for a in sys.argv[1:] if a != "--compare"]
+    cmp = "--compare" in sys.argv[1:]
+    default = "studio-compare.png" if cmp else "studio-emoji64.png"
+    main(args[0] if args else str(ROOT / "docs" / "screenshots" / default), compare=cmp)

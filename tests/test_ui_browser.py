@@ -281,6 +281,28 @@ def test_style_mixing_tab(page):
     assert '"style-mix"' in page.inner_text("#selected-params") or "style-mix" in page.inner_text("#selected-params")
 
 
+def test_compare_tab_shows_the_reference_and_the_toggles_side_by_side(page):
+    fill(page, "seed-input", "0-1")
+    page.locator("#optimization-panel").get_by_text("Optimization").first.click()
+    page.get_by_role("tab", name="Compare").click()
+    # every toggle off: there is nothing to compare, and the page says so (no job, no crash)
+    page.click("#compare-btn")
+    page.get_by_text("Nothing to compare").first.wait_for(state="visible", timeout=15_000)
+    page.locator("#precision-select label", has_text="bf16").click()
+    page.click("#compare-btn")
+    wait_progress(page, r"Compared on cpu")
+    page.wait_for_function("document.querySelector('#compare-table').innerText.includes('drift: PSNR')")
+    table = page.inner_text("#compare-table")
+    assert re.search(r"\d+\.\d+ dB", table) and "autocast-bf16" in table and TIME_FIGURE.search(table), table
+    page.wait_for_function("document.querySelectorAll('#compare-slider img').length >= 2")
+    page.wait_for_function("document.querySelector('#compare-diff img') !== null")
+    assert "amplified" in page.inner_text("#compare-diff")
+    page.wait_for_function("!document.querySelector('#compare-btn').disabled")
+    if os.environ.get("ATELIER_SCREENSHOTS"):
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.locator("#at-results").screenshot(path=str(SHOTS / "studio-compare.png"))
+
+
 def test_closing_the_tab_stops_its_job(browser, studio):
     page = open_page(browser, studio)
     set_number(page, "sg-batch", 1)

@@ -151,6 +151,15 @@ def _model_for_backend(services: Services, backend: str, model: str | None) -> s
     return None if (model in theirs and model not in ours) else model
 
 
+def _upscaled(rgb, at_least: int = 256):
+    """A small difference map blown up with nearest-neighbour, so each pixel stays a crisp square."""
+    from PIL import Image
+
+    img = Image.fromarray(rgb)
+    k = max(1, -(-at_least // max(1, min(img.size))))
+    return img.resize((img.width * k, img.height * k), Image.NEAREST) if k > 1 else img
+
+
 def _gallery_value(items) -> list[tuple[str, str]]:
     return [(it.path, it.caption) for it in items[:MAX_GALLERY]]
 
@@ -337,14 +346,14 @@ def build_app(services: Services) -> gr.Blocks:
                                             "memory and the picture.", elem_id="compare-intro")
                                 compare_btn = gr.Button("Compare with the fp32 reference", elem_id="compare-btn",
                                                         size="sm")
-                                compare_slider = gr.ImageSlider(label="fp32 reference ↔ your settings", type="pil",
-                                                                interactive=False, elem_id="compare-slider",
-                                                                max_height=420, buttons=["fullscreen"])
-                                with gr.Row(equal_height=False):
+                                with gr.Row(equal_height=True):
+                                    compare_slider = gr.ImageSlider(label="fp32 reference ↔ your settings", type="pil",
+                                                                    interactive=False, elem_id="compare-slider",
+                                                                    max_height=360, buttons=["fullscreen"], scale=1)
                                     compare_diff = gr.Image(label="Difference (amplified)", interactive=False,
-                                                            elem_id="compare-diff", height=240, scale=2,
+                                                            elem_id="compare-diff", height=360, scale=1,
                                                             buttons=["fullscreen"])
-                                    compare_table = gr.HTML("", elem_id="compare-table", scale=3)
+                                compare_table = gr.HTML("", elem_id="compare-table")
 
                     # ---------------------------------------------------------------- live side panel
                     with gr.Column(scale=3, min_width=250, elem_id="perf-panel"):
@@ -499,7 +508,7 @@ def build_app(services: Services) -> gr.Blocks:
                 if ev.state == DONE and sess.comparison is not None:
                     c = sess.comparison
                     yield ((c.reference.images[0], c.candidate.images[0]),
-                           gr.Image(value=c.heat, label=f"Difference, first image (amplified {c.gain:.0f}×)"),
+                           gr.Image(value=_upscaled(c.heat), label=f"Difference, first image (amplified {c.gain:.0f}×)"),
                            render_comparison(c), html)
                 elif ev.state == FAILED:
                     yield skip, skip, skip, html
