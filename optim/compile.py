@@ -22,7 +22,9 @@ before the call with `is_first_run(obj, shape_key)` and through `set_status_call
 receives FIRST_RUN_STATUS before that call and "compiled ..." after it.
 
 mode="reduce-overhead" adds CUDA graphs (replays the whole kernel sequence with one launch;
-largest win for small batches). Outputs are cloned because a replay overwrites them.
+largest win for small batches). Outputs are cloned because a replay overwrites them. Inductor
+runs a graph it cannot capture (a CPU tensor, an input mutation) without CUDA graphs and only logs
+it; the report lists such shapes under `cudagraph_skips`.
 """
 from __future__ import annotations
 
@@ -191,6 +193,7 @@ class _BucketedCall:
         if first:
             tr.status(FIRST_RUN_STATUS)
             t0 = time.perf_counter()
+            skips0 = _cudagraph_skips() if self.cudagraphs else 0
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         try:
@@ -213,6 +216,13 @@ class _BucketedCall:
             ms = (time.perf_counter() - t0) * 1e3
             tr.seen[key] = ms
             tr.report.setdefault("buckets", {})[_key_str(key)] = {"first_call_ms": round(ms, 1)}
+            skipped_graphs = _cudagraph_skips() - skips0 if self.cudagraphs else 0
+            if skipped_graphs:
+                # Inductor quietly runs a graph without CUDA graphs when it cannot capture it (a CPU tensor,
+                # an input mutation, a dynamic shape): the report must not claim replays that never happen.
+                tr.report.setdefault("cudagraph_skips", {})[_key_str(key)] = (
+                    f"{skipped_graphs} compiled graph(s) of this shape run without CUDA graphs; "
+                    "TORCH_LOGS=perf_hints names the reason")
             tr.status(f"compiled {_key_str(key)} in {ms / 1e3:.1f} s")
             if self.cache is not None:
                 try:
@@ -233,6 +243,13 @@ class _BucketedCall:
         if self.cudagraphs and clone:
             out = _clone_outputs(out)
         return out
+
+
+def _cudagraph_skips() -> int:
+    """Graphs inductor has declined to capture as CUDA graphs so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _describe(exc: BaseException) -> str:

@@ -136,6 +136,23 @@ def test_unet_in_pipeline_compiles_once_per_resolution(tmp_path, dynamo_clean):
     run(pipe, 48, seed=6)
 
 
+def test_graphs_not_captured_as_cuda_graphs_are_reported(dynamo_clean):
+    """reduce-overhead: a graph inductor declines to capture (here: CPU tensors, the same check that catches a
+    stray CPU tensor in a CUDA model) is named in the report instead of being claimed as replayed."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.SiLU()).eval()
+    report: dict = {}
+    compiled = torch.compile(net, backend="cudagraphs", dynamic=False)   # dynamo's CUDA-graph trees, no codegen
+    compiled.forward = oc._BucketedCall(compiled.forward, net, oc.BucketTracker(report), "module", True, None, "")
+    x = torch.randn(2, 3, 8, 8)
+    out = compiled(x)
+    with torch.no_grad():
+        assert torch.equal(out, net(x))
+    assert set(report["cudagraph_skips"]) == {"2x8x8"} and "without CUDA graphs" in report["cudagraph_skips"]["2x8x8"]
+    compiled(torch.randn(1, 3, 8, 8))                      # every new shape is checked on its first run
+    assert set(report["cudagraph_skips"]) == {"2x8x8", "1x8x8"}
+
+
 def test_prepare_compile_reports_cache_dir(testdata, tmp_path, dynamo_clean):
     G = load_G(testdata, "sg2_uncond_32")
     _, report = optim.prepare(G, Flags(compile="default"), CPU, kind="stylegan", cache_dir=tmp_path)
@@ -205,9 +222,18 @@ def test_gpu_stylegan_compile_inductor(testdata, tmp_path, mode, dynamo_clean):
     for n in (1, 2, 3):
         out = generate(G, Flags(), seeds=tuple(range(n)), device=cuda)
     assert rel_err(ref, out) < 1e-3
+    assert "cudagraph_skips" not in report["compile"], report["compile"]["cudagraph_skips"]
     torch._dynamo.config.error_on_recompile = True
     for n in (1, 2, 3, 4):
         generate(G, Flags(), seeds=tuple(range(20, 20 + n)), device=cuda)
+    # an image kept across calls survives the next replay of the same bucket (CUDA graphs reuse output memory)
+    with torch.no_grad():
+        z, c = latents(G, seeds=(5, 6))
+        kept = G(z.to(cuda), c.to(cuda), noise_mode="const")
+        snapshot = kept.clone()
+        z, c = latents(G, seeds=(7, 8))
+        other = G(z.to(cuda), c.to(cuda), noise_mode="const")
+    assert torch.equal(kept, snapshot) and not torch.equal(kept, other)
 
 
 @pytest.mark.gpu
@@ -226,5 +252,19 @@ def test_gpu_unet_compile_reduce_overhead(tmp_path, dynamo_clean):
         return p(prompt_embeds=pe, negative_prompt_embeds=torch.zeros_like(pe), num_inference_steps=3, height=32,
                  width=32, output_type="np", generator=g).images
     assert abs(run(pipe) - run(ref_pipe)).max() < 0.05
+    assert "cudagraph_skips" not in report["compile"], report["compile"]["cudagraph_skips"]   # really replayed
+    # an output kept across calls survives the next replay (CUDA graphs reuse their output memory);
+    # the call has the pipeline's own argument set, so it reuses the 2x16x16 graph (32 px, VAE factor 2)
+    g = torch.Generator("cpu").manual_seed(7)
+    lat = [torch.randn(2, 4, 16, 16, generator=g).to(cuda, torch.bfloat16) for _ in range(2)]
+    ctx, t = torch.cat([torch.zeros_like(pe), pe]), torch.tensor(500, device=cuda)
+
+    def unet(x):
+        return pipe.unet(x, t, encoder_hidden_states=ctx, timestep_cond=None, cross_attention_kwargs=None,
+                         added_cond_kwargs=None, return_dict=False)[0]
+    kept = unet(lat[0])
+    snapshot = kept.clone()
+    other = unet(lat[1])
+    assert torch.equal(kept, snapshot) and not torch.equal(kept, other)
     torch._dynamo.config.error_on_recompile = True
     run(pipe, seed=3)
