@@ -819,8 +819,11 @@ class DiffusionPipeline:
         # do we. (SD 1.x/2.x configs default to force_upcast too, but diffusers decodes those as they are.)
         upcast = self.family == "sdxl" and vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
         first = torch.float32 if upcast else None
-        with self._vae_dtype(vae, first), optim.runtime(self.flags, self.device):
-            used = "autocast-" + self.flags.precision if self._autocast_on() else _dtype_name(vae.dtype)
+        # The fp32 copy must decode outside the request's autocast, which would run its convolutions in fp16
+        # again (the overflow the upcast avoids; the NaN guard below would then blame the weights).
+        precision = torch.autocast(self.device.type, enabled=False) if upcast else optim.runtime(self.flags, self.device)
+        with self._vae_dtype(vae, first), precision:
+            used = "autocast-" + self.flags.precision if self._autocast_on() and not upcast else _dtype_name(vae.dtype)
             image = self._vae_decode(view, latents, generator)
         if not torch.isfinite(image).all():
             if used != "fp32":

@@ -118,3 +118,55 @@ def test_gpu_diffusion_pipeline_casts_weights(precision):
                  height=32, width=32, output_type="np", generator=g).images
     ref, out = run(ref_pipe, torch.float32), run(pipe, want)
     assert psnr(ref, out, 1.0) > 30
+
+
+def _tiny_sdxl_pipeline(tmp_path, flags, device, dtype=None):
+    from pipelines.diffusion import DiffusionPipeline, load_diffusion
+    from tests.diffusion_tiny import build_tiny_sdxl
+
+    folder = tmp_path / "tiny-sdxl"
+    build_tiny_sdxl(folder)
+    return DiffusionPipeline(load_diffusion(str(folder), device=device, dtype=dtype, flags=flags), flags, device)
+
+
+def _decode_dtypes_of(pipe) -> tuple[list, object]:
+    """Generate one small image; (weight dtype, output dtype) of each VAE decoder conv_in call, and the result."""
+    from core.types import DiffusionParams, GenerationRequest, Job
+
+    seen = []
+    hook = pipe.pipe.vae.decoder.conv_in.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, out.dtype)))
+    try:
+        params = DiffusionParams(prompt="a cat", seed=1, steps=2, guidance=5.0, width=64, height=64)
+        res = pipe.generate(GenerationRequest("diffusion", pipe.model_id, params), Job())
+    finally:
+        hook.remove()
+    return seen, res
+
+
+def test_sdxl_vae_upcast_is_not_undone_by_the_requests_autocast(tmp_path):
+    """SDXL's VAE overflows in fp16, so an fp16 VAE decodes with an fp32 copy (its config's force_upcast). The
+    request's autocast (here the CPU's bf16; on a GPU fp16) must not put those convolutions back in half precision:
+    under fp16 that brings back the overflow, and the NaN guard then blames the weights."""
+    import numpy as np
+
+    pipe = _tiny_sdxl_pipeline(tmp_path, Flags(precision="bf16"), CPU, dtype=torch.float32)
+    assert pipe.optimizations["precision"]["mode"] == "autocast-bf16"
+    pipe.pipe.vae.to(torch.float16)      # as fp16 precision leaves it on a GPU; the CPU's autocast is bf16
+    assert pipe.pipe.vae.config.force_upcast
+    seen, res = _decode_dtypes_of(pipe)
+    assert seen == [(torch.float32, torch.float32)]
+    assert pipe.pipe.vae.dtype == torch.float16                 # the fp32 copy lasts for the decode only
+    assert len(res.images) == 1 and np.isfinite(res.raw).all()
+
+
+@pytest.mark.gpu
+def test_gpu_sdxl_fp16_vae_decodes_in_fp32(tmp_path):
+    import numpy as np
+
+    cuda = torch.device("cuda")
+    pipe = _tiny_sdxl_pipeline(tmp_path, Flags(precision="fp16"), cuda)
+    assert pipe.optimizations["precision"]["mode"] == "weights-fp16" and pipe.pipe.vae.dtype == torch.float16
+    seen, res = _decode_dtypes_of(pipe)
+    assert seen == [(torch.float32, torch.float32)]
+    assert pipe.pipe.vae.dtype == torch.float16
+    assert len(res.images) == 1 and np.isfinite(res.raw).all() and not res.notes
