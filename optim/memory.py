@@ -64,11 +64,15 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, offload: Toggl
             method = "enable_tiling" if s == "vae-tiling" else "enable_slicing"
             if vae is None:
                 savers[s] = skipped("the VAE is not part of what was passed to optim.prepare (pass the pipeline)")
-            elif not hasattr(vae, method):
-                savers[s] = skipped(f"this VAE ({type(vae).__name__}) does not support {s}")
             else:
-                getattr(vae, method)()
-                savers[s] = applied("VAE decodes overlapping tiles" if s == "vae-tiling" else "VAE decodes one image at a time")
+                try:
+                    # diffusers' AutoencoderMixin gives every VAE the method; one without tiling/slicing
+                    # (e.g. AsymmetricAutoencoderKL) raises NotImplementedError from it.
+                    getattr(vae, method)()
+                    savers[s] = applied("VAE decodes overlapping tiles" if s == "vae-tiling"
+                                        else "VAE decodes one image at a time")
+                except (AttributeError, NotImplementedError):
+                    savers[s] = skipped(f"this VAE ({type(vae).__name__}) does not support {s}")
         elif s == "cpu-offload":
             savers[s] = offload if offload is not None else apply_offload(target, ctx)
     bad = {k: v["reason"] for k, v in savers.items() if not v["applied"]}

@@ -59,6 +59,22 @@ def test_bare_unet_reports_vae_savers_need_the_pipeline():
     assert "pass the pipeline" in s["vae-tiling"]["reason"]
 
 
+def test_vae_without_tiling_is_skipped_with_reason():
+    """diffusers gives every VAE enable_tiling/enable_slicing; some raise NotImplementedError from them."""
+    from diffusers import AsymmetricAutoencoderKL
+
+    pipe = tiny_pipeline()
+    pipe.vae = AsymmetricAutoencoderKL(in_channels=3, out_channels=3, down_block_out_channels=(32,),
+                                       up_block_out_channels=(32,), layers_per_down_block=1, layers_per_up_block=1,
+                                       latent_channels=4, norm_num_groups=8, sample_size=16)
+    _, report = optim.prepare(pipe, Flags(memory=("vae-tiling", "vae-slicing", "attention-slicing")), CPU,
+                              kind="diffusion")
+    s = report["memory"]["savers"]
+    assert report["memory"]["applied"] is False and s["attention-slicing"]["applied"]
+    for saver in ("vae-tiling", "vae-slicing"):
+        assert s[saver] == {"applied": False, "reason": f"this VAE (AsymmetricAutoencoderKL) does not support {saver}"}
+
+
 def test_stylegan_memory_savers_skipped(testdata):
     from tests.optim_helpers import prepared
 
@@ -82,3 +98,42 @@ def test_gpu_model_cpu_offload_moves_models_and_matches():
         return p(prompt_embeds=pe, negative_prompt_embeds=torch.zeros_like(pe), num_inference_steps=2, height=32,
                  width=32, output_type="np", generator=g).images
     assert psnr(run(ref_pipe), run(pipe), 1.0) > 40
+
+
+@pytest.mark.gpu
+def test_gpu_offload_in_the_studios_load_order(tmp_path):
+    """The studio's order: the manager loads the pipeline onto the GPU, then optim enables offload (diffusers
+    parks every model on the CPU first). Nothing may move the pipeline to the GPU afterwards (diffusers would
+    only warn, and the offload would be silently lost); the image equals the one without offload."""
+    import logging
+
+    import numpy as np
+
+    from core.types import DiffusionParams, GenerationRequest, Job
+    from pipelines.diffusion import DiffusionPipeline, load_diffusion
+    from tests.diffusion_tiny import build_tiny_sd
+
+    cuda = torch.device("cuda")
+    folder = tmp_path / "tiny-sd"
+    build_tiny_sd(folder)
+    params = DiffusionParams(prompt="a cat", seed=1, steps=2, guidance=5.0, width=64, height=64)
+
+    def make(flags):                      # what ModelManager._load does
+        return DiffusionPipeline(load_diffusion(str(folder), device=cuda, flags=flags), flags, cuda)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append         # diffusers' loggers do not propagate to the root (caplog misses them)
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        ref = make(Flags()).generate(GenerationRequest("diffusion", "tiny", params), Job())
+        off_flags = Flags(memory=("cpu-offload",))
+        off = make(off_flags)
+        assert off.optimizations["memory"]["applied"], off.optimizations["memory"]
+        assert off.pipe.unet.device.type == "cpu" and off.pipe.text_encoder.device.type == "cpu"
+        res = off.generate(GenerationRequest("diffusion", "tiny", params, flags=off_flags), Job())
+        again = off.generate(GenerationRequest("diffusion", "tiny", params, flags=off_flags), Job())
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert not [r.getMessage() for r in records if "offload" in r.getMessage()]
+    assert off.pipe.unet.device.type == "cpu"     # parked again: the VAE's hook moved it off when the decode began
+    assert np.abs(res.raw - ref.raw).max() < 1e-4 and np.array_equal(res.raw, again.raw)
