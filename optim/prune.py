@@ -178,8 +178,74 @@ def _l1_rows(w: torch.Tensor) -> torch.Tensor:
     return w.detach().abs().float().flatten(1).sum(1)
 
 
+class _ChannelProbe:
+    """Per-channel statistics of what each consumer layer reads, over one probe batch.
+
+    StyleGAN's modulated convolutions demodulate: every output channel is rescaled to unit
+    variance, so the size of a producer's own weight row says nothing about its channel. What
+    decides is what the reader sees: channel c enters a consumer as rms(x_c) * |style_c| *
+    ||W[:, c]|| (its activation after bias, noise and lrelu, its style, its weights)."""
+
+    def __init__(self, G: torch.nn.Module, layers, n: int = 8):
+        self.sq: dict[int, torch.Tensor] = {}
+        self.style: dict[int, torch.Tensor] = {}
+        hooks = []
+        for layer in layers:
+            hooks.append(layer.register_forward_pre_hook(self._reader(id(layer))))
+            aff = getattr(layer, "affine", None)
+            if aff is not None:
+                hooks.append(aff.register_forward_hook(self._styler(id(layer))))
+        dev = next(G.parameters()).device
+        gen = torch.Generator().manual_seed(0)
+        z = torch.randn(n, G.z_dim, generator=gen).to(dev)
+        c = torch.zeros(n, G.c_dim, device=dev)
+        if G.c_dim:
+            c[torch.arange(n), torch.arange(n) % G.c_dim] = 1
+        try:
+            with torch.no_grad():
+                ws = G.mapping(z, c)
+                try:
+                    G.synthesis(ws, noise_mode="const")
+                except TypeError:                      # StyleGAN3 has no noise inputs
+                    G.synthesis(ws)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _reader(self, key):
+        def hook(_module, args):
+            x = args[0].detach().float()
+            self.sq[key] = self.sq.get(key, 0) + x.square().mean(dim=(0, 2, 3))
+        return hook
+
+    def _styler(self, key):
+        def hook(_module, _args, out):
+            self.style[key] = self.style.get(key, 0) + out.detach().float().abs().mean(0)
+        return hook
+
+    def importance(self, consumers) -> torch.Tensor:
+        """Each consumer's per-channel contribution, normalised to sum 1 (a ToRGB layer and a 3x3
+        conv are on different scales), summed over the consumers."""
+        total = None
+        for layer in consumers:
+            col = layer.weight.detach().float().transpose(0, 1).flatten(1).norm(dim=1)        # [in]
+            score = col * self.sq[id(layer)].sqrt().to(col.device)
+            if id(layer) in self.style:
+                score = score * self.style[id(layer)].to(col.device)
+            share = score / score.sum().clamp_min(1e-12)
+            total = share if total is None else total + share
+        return total
+
+
 def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
     syn = G.synthesis
+    if hasattr(syn, "block_resolutions"):
+        readers = [m for b in (getattr(syn, f"b{r}") for r in syn.block_resolutions)
+                   for m in (getattr(b, "conv1", None), getattr(b, "conv0", None), getattr(b, "torgb", None),
+                             getattr(b, "skip", None)) if m is not None]
+    else:
+        readers = [getattr(syn, n) for n in getattr(syn, "layer_names", ())]
+    probe = _ChannelProbe(G, readers)       # measured once, on the unpruned network
     channels_before, channels_after = {}, {}
     if hasattr(syn, "block_resolutions"):                      # StyleGAN2
         blocks = [getattr(syn, f"b{r}") for r in syn.block_resolutions]
@@ -187,7 +253,7 @@ def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
             # (1) inside a block: conv0's output = conv1's input
             if hasattr(b, "conv0"):
-                idx = _keep_index(_l1_rows(b.conv0.weight), amount)
+                idx = _keep_index(probe.importance([b.conv1]), amount)
                 channels_before[f"b{b.resolution}.conv0"] = b.conv0.out_channels
                 _cut_producer(b.conv0, idx)
                 _cut_consumer(b.conv1, idx)
@@ -195,7 +261,8 @@ def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
             # (2) the block's output: conv1 (+ resnet skip) -> ToRGB, next block's conv0 (+ skip)
             if nxt is None and not hasattr(b, "torgb"):
                 continue
-            idx = _keep_index(_l1_rows(b.conv1.weight), amount)
+            consumers = [getattr(b, "torgb", None)] + ([nxt.conv0, getattr(nxt, "skip", None)] if nxt is not None else [])
+            idx = _keep_index(probe.importance([r for r in consumers if r is not None]), amount)
             channels_before[f"b{b.resolution}.conv1"] = b.conv1.out_channels
             _cut_producer(b.conv1, idx)
             if hasattr(b, "skip"):
@@ -211,7 +278,7 @@ def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
     elif hasattr(syn, "layer_names"):                           # StyleGAN3
         layers = [getattr(syn, n) for n in syn.layer_names]
         for a, b in zip(layers[:-1], layers[1:]):
-            idx = _keep_index(_l1_rows(a.weight), amount)
+            idx = _keep_index(probe.importance([b]), amount)
             channels_before[syn.layer_names[layers.index(a)]] = a.out_channels
             old_in = b.in_channels
             _cut_producer(a, idx)

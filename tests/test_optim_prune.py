@@ -6,6 +6,9 @@ dependent tensor was cut along the right axis. On the random-weight test network
 lot (sg2_uncond_32, 50 % L1-unstructured: 3.5 dB), so drift is checked for being reported exactly and
 for growing with the amount.
 """
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +17,8 @@ from core.types import OptimizationFlags as Flags
 from evaluation.drift import psnr
 from optim.prune import NO_SPEEDUP
 from tests.optim_helpers import CPU, generate, load_G, prepared, reference_G, rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _probe(G):
@@ -110,7 +115,23 @@ def test_structured_stylegan2_real_pruning_still_makes_images(testdata):
     assert r["params_after"] < 0.6 * r["params_before"]
     out = generate(G, Flags(), seeds=(0, 1))
     assert out.shape == (2, 3, 64, 64) and torch.isfinite(out).all()
-    assert r["drift"]["psnr_db"] > 0 and r["drift"]["rel_err"] > 0
+    # an untrained test network (outputs far outside [-1, 1]): PSNR means little, the error is finite
+    assert math.isfinite(r["drift"]["psnr_db"]) and 0 < r["drift"]["rel_err"] < 5
+
+
+@pytest.mark.parametrize("amount,min_psnr", [(0.05, 26.0), (0.1, 20.0)])
+def test_structured_pruning_of_a_trained_model_keeps_the_picture(amount, min_psnr):
+    """The bundled (trained) emoji64 generator. Channels are ranked by what their readers see
+    (activation RMS x style x weight column), not by the producer's weight row, which
+    demodulation normalises away: with the producer-L1 ranking this model measured 16.5 dB at 5 %
+    and 13.6 dB at 10 % on the same probe; now 30.5 dB and 23.7 dB."""
+    from models.stylegan import load_generator
+
+    G = load_generator(ROOT / "assets" / "models" / "emoji64.safetensors").G.float().eval().requires_grad_(False)
+    _, report = optim.prepare(G, Flags(prune_amount=amount, prune_method="structured"), CPU, kind="stylegan")
+    r = report["prune"]
+    assert r["applied"] and r["params_after"] < r["params_before"]
+    assert r["drift"]["psnr_db"] > min_psnr, r["drift"]
 
 
 @pytest.mark.parametrize("make", ["tiny_unet", "tiny_sdxl_unet"])
