@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import os
 import time
 from pathlib import Path
@@ -355,8 +356,12 @@ def compile_module(module: torch.nn.Module, kind: str, mode: str, device: torch.
 
 
 def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component: torch.nn.Module) -> str:
+    """Names the artifacts file. Every flag that changes the traced graph is in it (FP8, pruning, layout,
+    attention...): two configurations of one model must not overwrite each other's file, or the next
+    start of the other one compiles from scratch again."""
     ident = ctx.weights_hash or ",".join(f"{tuple(p.shape)}" for p in list(component.parameters())[:64])
-    raw = f"{target.kind}|{flags.compile}|{flags.precision}|{capability(ctx.device)}|{type(component).__name__}|{ident}"
+    graph_flags = json.dumps({k: v for k, v in flags.to_dict().items() if k != "strict"}, sort_keys=True)
+    raw = f"{target.kind}|{graph_flags}|{capability(ctx.device)}|{type(component).__name__}|{ident}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -153,6 +153,19 @@ def test_graphs_not_captured_as_cuda_graphs_are_reported(dynamo_clean):
     assert set(report["cudagraph_skips"]) == {"2x8x8", "1x8x8"}
 
 
+def test_artifact_file_key_separates_configurations(testdata, tmp_path):
+    """One model compiled with and without FP8 / pruning / channels_last must not share an artifacts file."""
+    G = load_G(testdata, "sg2_uncond_32")
+    target, ctx = resolve(G, "stylegan"), Context(CPU, tmp_path, weights_hash="ab" * 32)
+
+    def key(**kw):
+        return oc._cache_key(target, Flags(compile="default", **kw), ctx, G.synthesis)
+    keys = {key(), key(fp8=True), key(prune_amount=0.3), key(channels_last=True), key(precision="bf16"),
+            key(memory=("attention-slicing",))}
+    assert len(keys) == 6
+    assert key() == key(strict=True)                      # --strict changes nothing that is compiled
+
+
 def test_prepare_compile_reports_cache_dir(testdata, tmp_path, dynamo_clean):
     G = load_G(testdata, "sg2_uncond_32")
     _, report = optim.prepare(G, Flags(compile="default"), CPU, kind="stylegan", cache_dir=tmp_path)
