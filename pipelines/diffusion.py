@@ -821,7 +821,7 @@ class DiffusionPipeline:
         first = torch.float32 if upcast else None
         # The fp32 copy must decode outside the request's autocast, which would run its convolutions in fp16
         # again (the overflow the upcast avoids; the NaN guard below would then blame the weights).
-        precision = torch.autocast(self.device.type, enabled=False) if upcast else optim.runtime(self.flags, self.device)
+        precision = torch.autocast(self.device.type, enabled=False) if upcast else self._runtime()
         with self._vae_dtype(vae, first), precision:
             used = "autocast-" + self.flags.precision if self._autocast_on() and not upcast else _dtype_name(vae.dtype)
             image = self._vae_decode(view, latents, generator)
@@ -843,6 +843,14 @@ class DiffusionPipeline:
         mode = str(self.optimizations.get("precision", {}).get("mode", ""))
         return mode.startswith("autocast")
 
+    def _runtime(self):
+        """The request's precision context. Weights already cast to fp16/bf16 (the GPU's mode) run as diffusers
+        runs them, without autocast: autocast would only put diffusers' deliberate fp32 islands back in half
+        precision (SDXL's VAE upcast for the img2img encode, upcast attention)."""
+        if str(self.optimizations.get("precision", {}).get("mode", "")).startswith("weights-"):
+            return contextlib.nullcontext()
+        return optim.runtime(self.flags, self.device)
+
     # -- the main entry point -------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, job: Job, task: str | None = None) -> GenerationResult:
         p = request.params
@@ -861,7 +869,7 @@ class DiffusionPipeline:
         do_cfg = float(p.guidance) > 1.0 and self.pipe.unet.config.get("time_cond_proj_dim") is None
 
         # 2. encode the prompt (once; diffusers repeats the embeddings for the batch)
-        with job.stage("text_encoder"), torch.no_grad(), optim.runtime(self.flags, self.device):
+        with job.stage("text_encoder"), torch.no_grad(), self._runtime():
             embeds = self._encode_prompt(view, p, device, do_cfg)
 
         # 3+4. prepare latents from the CPU generators and run diffusers' own denoising loop.
@@ -890,7 +898,7 @@ class DiffusionPipeline:
             call.update(image=chk.init_image, strength=float(p.strength))
         else:
             call.update(height=int(p.height), width=int(p.width))
-        with job.stage("denoise"), torch.no_grad(), optim.runtime(self.flags, self.device):
+        with job.stage("denoise"), torch.no_grad(), self._runtime():
             latents = view(**call).images
         if state["cancelled"]:
             return self._cancelled_result(request, job, chk, state, t0)

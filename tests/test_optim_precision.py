@@ -159,6 +159,41 @@ def test_sdxl_vae_upcast_is_not_undone_by_the_requests_autocast(tmp_path):
     assert len(res.images) == 1 and np.isfinite(res.raw).all()
 
 
+def test_weight_cast_pipelines_run_without_autocast(tmp_path):
+    """The GPU's mode casts every part to fp16/bf16; generation then runs as diffusers runs it, with no autocast
+    on top (which would undo diffusers' own fp32 islands). The autocast modes keep theirs."""
+    pipe = _tiny_sdxl_pipeline(tmp_path, Flags(precision="bf16"), CPU)
+    seen = []
+    pipe.pipe.unet.conv_in.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    assert pipe.optimizations["precision"]["mode"] == "autocast-bf16"
+    _decode_dtypes_of(pipe)
+    assert seen and all(seen)
+    seen.clear()
+    pipe.optimizations["precision"] = dict(pipe.optimizations["precision"], mode="weights-bf16")  # as on a GPU
+    _, res = _decode_dtypes_of(pipe)
+    assert seen and not any(seen) and len(res.images) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_sdxl_fp16_img2img_encodes_in_fp32(tmp_path):
+    """diffusers' SDXL img2img encodes the init image with an fp32 VAE (force_upcast); no autocast undoes it."""
+    import numpy as np
+    from PIL import Image
+
+    from core.types import DiffusionParams, GenerationRequest, Job
+
+    cuda = torch.device("cuda")
+    pipe = _tiny_sdxl_pipeline(tmp_path, Flags(precision="fp16"), cuda)
+    seen = []
+    pipe.pipe.vae.encoder.conv_in.register_forward_hook(lambda m, a, out: seen.append((m.weight.dtype, out.dtype)))
+    init = Image.fromarray(np.random.RandomState(0).randint(0, 255, (64, 64, 3), dtype=np.uint8))
+    params = DiffusionParams(prompt="a cat", seed=1, steps=4, guidance=5.0, width=64, height=64, init_image=init,
+                             strength=0.5)
+    res = pipe.generate(GenerationRequest("diffusion", pipe.model_id, params), Job())
+    assert seen == [(torch.float32, torch.float32)]
+    assert pipe.pipe.vae.dtype == torch.float16 and len(res.images) == 1 and np.isfinite(res.raw).all()
+
+
 @pytest.mark.gpu
 def test_gpu_sdxl_fp16_vae_decodes_in_fp32(tmp_path):
     import numpy as np
