@@ -88,7 +88,8 @@ def runtime(flags: OptimizationFlags, device: torch.device):
         stack.enter_context(_tf32())
     elif p in _AMP and not (device.type == "cpu" and p == "fp16"):
         if not (device.type == "cuda" and p == "bf16" and not torch.cuda.is_bf16_supported()):
-            # Harmless where the weights were cast already; where they were not, this is the AMP.
+            # This is the AMP where weights stay fp32. Where they were cast ("weights-" modes) it adds nothing and
+            # would put a model's deliberate fp32 parts back in half precision (an upcast VAE): pipelines skip it.
             stack.enter_context(torch.autocast(device_type=device.type, dtype=_AMP[p]))
     return stack
 
