@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
     p.add_argument("--no-grid", action="store_true", help="with several images and a .png --out, write one file per image")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the fp32 reference (every toggle off) on the same seeds and report speed, memory "
+                        "and drift (PSNR/SSIM) side by side; --out gets the optimized images, plus *-reference.png and "
+                        "*-difference.png")
     sg = p.add_argument_group("stylegan")
     sg.add_argument("--seed", type=str, default=None, help="one seed (0..2^32-1)")
     sg.add_argument("--seeds", type=str, default=None, help="seed list/ranges, e.g. 0-7 or 1,5,9")
@@ -158,6 +162,8 @@ def main(argv: list[str], services) -> int:
     if Path(out).suffix.lower() not in (".png", ".npy"):
         raise InputError(f"--out must end in .png or .npy, not {Path(out).suffix or '(none)'}")
     job = Job(on_progress=_progress(a.quiet))
+    if a.compare:
+        return _compare(services, request, job, out, a.no_grid)
     result = services.manager.generate(request, job)
     outputs = write_outputs(result, out, request, a.no_grid)
     summary = {
@@ -176,4 +182,27 @@ def main(argv: list[str], services) -> int:
         "cancelled": result.cancelled,
     }
     print(json.dumps(summary, default=str))
+    return 0
+
+
+def _compare(services, request: GenerationRequest, job: Job, out: str, no_grid: bool) -> int:
+    """`generate --compare`: the fp32 reference and the request's toggles, side by side (JSON)."""
+    from PIL import Image
+
+    from evaluation.compare import comparison_json, run_comparison
+
+    if Path(out).suffix.lower() != ".png":
+        raise InputError("--compare writes images: give --out a .png path")
+    c = run_comparison(services.manager, request, job)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    outputs = []
+    for side, target in ((c.candidate, path), (c.reference, path.with_name(f"{path.stem}-reference.png"))):
+        grid = side.images[0] if len(side.images) == 1 or no_grid else image_grid(side.images)
+        outputs.append(str(save_png(grid, target, {"backend": request.backend, "flags": side.flags.to_dict(),
+                                                   "optimizations": side.optimizations})))
+    diff = path.with_name(f"{path.stem}-difference.png")
+    Image.fromarray(c.heat).save(diff)
+    outputs.append(str(diff))
+    print(json.dumps({"outputs": outputs, "backend": request.backend, "compare": comparison_json(c)}, default=str))
     return 0

@@ -94,3 +94,27 @@ def test_crafted_pickle_refused_without_side_effect(tmp_path):
     bad.write_bytes(pickle.dumps({"G_ema": Evil()}))
     rc, so, se = run_cli("generate", "--model", bad, "--out", tmp_path / "o.png", "--quiet")
     assert rc == 2 and "refusing" in se and not marker.exists()
+
+
+def test_compare_reports_the_reference_and_the_toggles(testdata, tmp_path):
+    from core.pnginfo import read_png_params
+
+    model = testdata / "stylegan" / "sg2_uncond_32.pkl"
+    out = tmp_path / "cmp.png"
+    rc, stdout, stderr = run_cli("generate", "--backend", "stylegan", "--model", model, "--seeds", "0-2",
+                                 "--truncation", "0.7", "--precision", "bf16", "--fp8", "--compare", "--out", out,
+                                 "--quiet")
+    assert rc == 0, stderr
+    summary = last_json(stdout)
+    c = summary["compare"]
+    assert summary["outputs"] == [str(out), str(tmp_path / "cmp-reference.png"), str(tmp_path / "cmp-difference.png")]
+    assert c["n_images"] == 3 and c["reference"]["flags"]["precision"] == "fp32"
+    assert c["candidate"]["optimizations"]["precision"]["mode"] == "autocast-bf16"
+    assert c["candidate"]["optimizations"]["fp8"]["applied"] is False            # skipped on the CPU, with its reason
+    assert 30 < c["drift"]["psnr_db"] < 80 and c["reference"]["latency_ms"] > 0 and c["speedup"] > 0
+    assert Image.open(tmp_path / "cmp-difference.png").size == (32, 32)
+    assert read_png_params(out)["flags"]["precision"] == "bf16"
+    # every toggle off: nothing to compare, one clear line
+    rc, _, stderr = run_cli("generate", "--backend", "stylegan", "--model", model, "--seed", "1", "--compare",
+                            "--out", tmp_path / "x.png", "--quiet")
+    assert rc != 0 and "Nothing to compare" in stderr and "Traceback" not in stderr
