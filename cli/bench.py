@@ -3,8 +3,10 @@
     python app.py bench --workload sg2-1024 --configs baseline,fp32,bf16,compile-cg --out $OUT/bench
     python app.py bench report --inputs a/bench.jsonl b/bench.jsonl --out docs/benchmarks.md
     python app.py bench list
+    python app.py bench --workload sd15-512 --configs baseline,fp32,best --isolate compiled --dry-run
 
-Nothing here imports gradio, so the GPU machine (which has no gradio) runs it as is.
+Nothing on this path imports gradio or matplotlib (matplotlib only for `bench report`'s plots, and
+optional there), so the GPU machine runs it as is.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from core.errors import InputError
 
 USAGE_EXTRA = """
 Cut a long run into commands that each fit a time limit: one workload (or a few configurations)
-per command, --max-minutes as a guard, and merge the pieces with `bench report`.
+per command, --max-minutes as a guard, and merge the pieces with `bench report`. --dry-run prints
+the plan with each case's estimated seconds on the H200 and runs nothing.
 Configurations: baseline fp32 tf32 fp16 bf16 bf16-cl compile compile-cg fp8 prune-25 prune-50
 tensorrt best best-fp8, or your own as NAME@precision=bf16+compile=default+fp8=1.
 """
@@ -37,7 +40,8 @@ def build_run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="app.py bench", description="Benchmark the optimization toggles.",
                                 epilog=USAGE_EXTRA, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", "--workloads", dest="workloads", default=None,
-                   help="comma-separated workloads (default: all full-size ones); `bench list` shows them")
+                   help="comma-separated workloads (default: all full-size ones); `bench list` shows them. "
+                        "NAME@B1+B2 gives one its own batch sizes, e.g. sg2-1024@32,sd-turbo-512@1")
     p.add_argument("--configs", default=None, help="comma-separated configurations (default: all)")
     p.add_argument("--batches", default=None, help="batch sizes, e.g. 1,32 (default: the workload's own)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per case (median reported)")
@@ -48,10 +52,14 @@ def build_run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs/bench", help="folder for bench.jsonl (appended), bench.json, bench.md")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no new case after this many minutes (the rest are recorded as skipped)")
-    p.add_argument("--isolate", action="store_true",
-                   help="run each case in its own process (a crash or a hung compile cannot take the rest down)")
+    p.add_argument("--isolate", nargs="?", const="all", default=None, choices=["all", "compiled", "none"],
+                   help="run cases in their own processes: 'all' (the default when given alone), or 'compiled' "
+                        "(only cases that compile or build an engine, which can hang or take minutes); a crash or "
+                        "a hung compile then cannot take the rest down")
     p.add_argument("--config-timeout", type=float, default=None, metavar="SECONDS",
-                   help="with --isolate: kill a case after this long")
+                   help="with --isolate: kill an isolated case after this long")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and each case's estimated time on the H200; run nothing")
     p.add_argument("--profile", default="best",
                    help="configurations to profile one call of (kernel table), 'all' or 'none' (default: best)")
     p.add_argument("--weights", default=None, help="real weights for the (single) workload instead of random ones")
@@ -102,12 +110,11 @@ def list_cmd(argv: list[str]) -> int:
 
 @cli_errors
 def run_cmd(argv: list[str]) -> int:
-    from evaluation.drift import compare
-    from pipelines.bench.runner import BenchOptions, run, shell_command
+    from pipelines.bench.runner import BenchOptions, estimate_plan, format_estimate, isolation_mode, run, shell_command
     from pipelines.bench.specs import FULL_WORKLOADS, parse_list
 
     a = build_run_parser().parse_args(argv)
-    if a.config_timeout is not None and not a.isolate:
+    if a.config_timeout is not None and isolation_mode(a.isolate) == "none":
         raise InputError("--config-timeout needs --isolate (a case in this process cannot be stopped from outside)")
     profile = [] if a.profile in ("none", "") else parse_list(a.profile)
     try:
@@ -117,12 +124,18 @@ def run_cmd(argv: list[str]) -> int:
     opts = BenchOptions(
         workloads=parse_list(a.workloads) or list(FULL_WORKLOADS), configs=parse_list(a.configs) or None,
         batches=_ints(a.batches), repeats=a.repeats, warmup=a.warmup, steps=a.steps, seed=a.seed, device=a.device,
-        out_dir=Path(a.out), max_minutes=a.max_minutes, isolate=a.isolate, config_timeout_s=a.config_timeout,
+        out_dir=Path(a.out), max_minutes=a.max_minutes, isolate=isolation_mode(a.isolate),
+        config_timeout_s=a.config_timeout,
         profile=profile, weights=a.weights, strict=a.strict, quiet=a.quiet, run_id=a.run_id, rates=rates,
         child=a.child, command=shell_command(["python", "app.py", "bench"] + list(argv)))
     for n, v in (("--repeats", a.repeats), ("--warmup", a.warmup), ("--steps", a.steps)):
         if v is not None and v < (0 if n == "--warmup" else 1):
             raise InputError(f"{n} must be at least {0 if n == '--warmup' else 1}; got {v}")
+    if a.dry_run:
+        print(format_estimate(estimate_plan(opts)))
+        return 0
+    from evaluation.drift import compare
+
     jsonl = run(opts, drift_fn=lambda ref, img: compare(ref, img, data_range=255.0, layout="NHWC"))
     if a.child:
         return 0

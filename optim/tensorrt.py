@@ -5,10 +5,19 @@ engine build with one optimization profile (min / opt / max shapes) -> engine ca
 execution through the TensorRT runtime on the current CUDA stream.
 
 Engine cache: `<cache_dir>/tensorrt/<key>.plan`, the key a hash of the weights hash (the
-model file's sha256 when the pipeline passes it, else a fingerprint of the tensors) plus the
-transforms applied before export (pruning, precision), the TensorRT version, the GPU's compute
-capability and the shape profile. A change in any of them builds a new engine; nothing stale
-is ever loaded.
+model file's sha256 when the pipeline passes it, else a fingerprint of the tensors), the
+network's structure (parameter names, shapes, dtypes: a weights hash that is only a name, such
+as the benchmark's random weights, cannot then match another architecture), the transforms
+applied before export (pruning, precision), the TensorRT version (read from the imported module),
+the torch version that exported the graph, the GPU's compute capability and the shape profile.
+A change in any of them builds a new engine; nothing stale is ever loaded.
+
+Written against the TensorRT 10 Python API (Builder, create_network, OnnxParser.parse_from_file,
+IBuilderConfig with a memory-pool limit and one optimization profile, build_serialized_network,
+Runtime.deserialize_cuda_engine, and execution by tensor name: set_input_shape, set_tensor_address,
+execute_async_v3 on torch's current stream). TensorRT 10.12 deprecated weakly typed networks and 11
+removed the FP16/BF16 builder flags: where those flags are missing the network is built strongly
+typed and the engine keeps the exported graph's types (the report says so).
 
 A request outside the profile (a batch or size the engine was not built for, StyleGAN's
 random noise, UNet extras such as ControlNet residuals) runs in PyTorch, and the report
@@ -82,11 +91,45 @@ class ShapeProfile:
 
 
 def engine_key(weights_hash: str, transforms: dict, trt_version: str, cap: tuple[int, int] | None,
-               profile: ShapeProfile, component: str) -> str:
-    raw = json.dumps({"weights": weights_hash, "transforms": transforms, "tensorrt": trt_version,
+               profile: ShapeProfile, component: str, structure: str = "") -> str:
+    raw = json.dumps({"weights": weights_hash, "structure": structure, "transforms": transforms,
+                      "tensorrt": trt_version, "torch": torch.__version__.split("+")[0],
                       "capability": list(cap) if cap else None, "profile": profile.as_dict(),
                       "component": component, "opset": ONNX_OPSET, "format": FORMAT_VERSION}, sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def structure_fingerprint(module: torch.nn.Module) -> str:
+    """A hash of the parameter and buffer names, shapes and dtypes (no data read: cheap for any size)."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def tensorrt_version() -> str:
+    """The imported module's own version: the pip distribution may be named tensorrt, tensorrt-cu12 or
+    tensorrt_cu13, so the package metadata alone can miss it."""
+    try:
+        import tensorrt as trt
+
+        return str(trt.__version__)
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return package_version("tensorrt") or "unknown"
+
+
+def precision_plan(precision: str, builder_flags: set[str] | frozenset[str]) -> tuple[bool, str | None, str]:
+    """(strongly typed network?, builder flag to set, note) for an engine of `precision`, given the names
+    of the installed TensorRT's BuilderFlag members. TensorRT 10 builds reduced precision from a weakly
+    typed network with the FP16 / BF16 flag; TensorRT 11 has no such flags and types every tensor from
+    the graph itself, so the engine runs in the dtype the graph was exported in."""
+    flag = {"fp16": "FP16", "bf16": "BF16"}.get(precision)
+    if flag is None:
+        return False, None, ""
+    if flag in builder_flags:
+        return False, flag, ""
+    return True, None, (f"this TensorRT has no {flag} builder flag (strongly typed networks only): the engine keeps "
+                        f"the exported graph's dtypes")
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
@@ -232,30 +275,40 @@ def _torch_dtype(trt_dtype):
     import tensorrt as trt
 
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
-             trt.int64: torch.int64, trt.bool: torch.bool}
-    if hasattr(trt, "bfloat16"):
-        table[trt.bfloat16] = torch.bfloat16
+             trt.int64: torch.int64, trt.bool: torch.bool, trt.int8: torch.int8}
+    for trt_name, torch_dtype in (("bfloat16", torch.bfloat16), ("uint8", torch.uint8)):
+        if hasattr(trt, trt_name):
+            table[getattr(trt, trt_name)] = torch_dtype
+    if trt_dtype not in table:
+        raise RuntimeError(f"the engine has an input or output of TensorRT type {trt_dtype}, which this wrapper "
+                           f"does not map to a torch dtype")
     return table[trt_dtype]
 
 
 def build_engine(onnx_path: Path, profile: ShapeProfile, precision: str, engine_path: Path,
-                 workspace_bytes: int = 8 << 30) -> Path:
+                 workspace_bytes: int = 8 << 30, details: dict | None = None) -> Path:
     import tensorrt as trt
 
+    flag_names = set(getattr(trt.BuilderFlag, "__members__", {}))
+    strong, flag, note = precision_plan(precision, flag_names)
+    if details is not None:
+        details["network_typing"] = "strong" if strong else "weak"
+        if note:
+            details["precision_note"] = note
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)                 # explicit batch is the only mode in TensorRT 10
+    # Explicit batch is the only mode since TensorRT 10 (its flag is ignored), so 0 means a weakly typed network.
+    net_flags = (1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)) if strong else 0
+    network = builder.create_network(net_flags)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):      # from the file, so external weight data is found
         errors = "; ".join(str(parser.get_error(i)) for i in range(min(parser.num_errors, 3)))
         raise RuntimeError(f"TensorRT could not parse the ONNX graph: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-    if precision == "fp16":
-        config.set_flag(trt.BuilderFlag.FP16)
-    elif precision == "bf16":
-        config.set_flag(trt.BuilderFlag.BF16)
-    elif precision == "fp32":
+    if flag:
+        config.set_flag(getattr(trt.BuilderFlag, flag))
+    elif precision == "fp32" and "TF32" in flag_names:
         config.clear_flag(trt.BuilderFlag.TF32)         # the fp32 reference means no TF32 either
     prof = builder.create_optimization_profile()
     for name, (lo, opt, hi) in profile.inputs.items():
@@ -413,11 +466,11 @@ def _engine_for(export_fn, module, profile: ShapeProfile, key: str, precision: s
     onnx_path, _ = export_fn(module, onnx_dir / "model.onnx", profile)
     details["export_s"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    build_engine(onnx_path, profile, precision, engine_path)
+    build_engine(onnx_path, profile, precision, engine_path, details=details)
     details["build_s"] = round(time.perf_counter() - t0, 1)
     (engine_path.with_suffix(".json")).write_text(json.dumps(
-        {"profile": profile.as_dict(), "precision": precision, "tensorrt": package_version("tensorrt"),
-         "capability": capability(ctx.device)}, indent=1))
+        {"profile": profile.as_dict(), "precision": precision, "tensorrt": tensorrt_version(),
+         "capability": capability(ctx.device), "network_typing": details.get("network_typing")}, indent=1))
     for f in onnx_dir.glob("*"):                         # the engine has the weights; the ONNX copy is large
         f.unlink()
     onnx_dir.rmdir()
@@ -433,7 +486,7 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, fp8_applied: b
     if fp8_applied:
         return skipped("TensorRT is not combined with torchao FP8 here (an FP8-quantized UNet does not export to "
                        "ONNX); use one or the other")
-    trt_version = package_version("tensorrt") or "unknown"
+    trt_version = tensorrt_version()
     transforms = {"precision": flags.precision, "prune": [flags.prune_amount, flags.prune_method],
                   "channels_last": flags.channels_last}
     details: dict = {"tensorrt_version": trt_version}
@@ -443,7 +496,7 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, fp8_applied: b
             syn = G.synthesis
             profile = stylegan_profile(syn)
             key = engine_key(ctx.weights_hash or weights_fingerprint(syn), transforms, trt_version,
-                             capability(ctx.device), profile, "stylegan-synthesis")
+                             capability(ctx.device), profile, "stylegan-synthesis", structure_fingerprint(syn))
             path = _engine_for(export_stylegan_onnx, syn, profile, key, flags.precision, ctx, details)
             rep = applied("synthesis network runs as a TensorRT engine", component="synthesis",
                           profile=profile.as_dict(), **details)
@@ -452,7 +505,7 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, fp8_applied: b
             unet = target.get("unet")
             profile = unet_profile(unet)
             key = engine_key(ctx.weights_hash or weights_fingerprint(unet), transforms, trt_version,
-                             capability(ctx.device), profile, "unet")
+                             capability(ctx.device), profile, "unet", structure_fingerprint(unet))
             path = _engine_for(export_unet_onnx, unet, profile, key, flags.precision, ctx, details)
             rep = applied("UNet runs as a TensorRT engine", component="unet", profile=profile.as_dict(), **details)
             unet.forward = _TRTUNetForward(unet.forward, TRTEngine(path, ctx.device), profile, rep,

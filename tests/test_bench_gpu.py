@@ -55,6 +55,7 @@ def test_compiled_cuda_graph_case_runs_and_matches(tmp_path):
     assert r["status"] == "ok", r.get("reason")
     assert r["drift"]["psnr_db"] == "inf" or r["drift"]["psnr_db"] > 30
     assert r["first_call_s"] > 0 and r["warmup_calls"] >= 3
+    assert r["compile_s"] > 0 and r["peak_reserved_bytes"] >= r["peak_vram_bytes"] > 0
 
 
 def test_diffusion_harness_stock_and_product(tmp_path):
@@ -68,3 +69,17 @@ def test_diffusion_harness_stock_and_product(tmp_path):
     assert res[("fp32", 1)]["drift"]["psnr_db"] == "inf" or res[("fp32", 1)]["drift"]["psnr_db"] > 60
     assert res[("fp16", 1)]["optimizations"]["precision"]["applied"]
     assert res[("fp16", 1)]["profile"]["top"]
+
+
+def test_diffusion_compiled_with_cuda_graphs_keeps_its_stage_clock(tmp_path):
+    # The stage hooks sit on the torch.compile wrapper: they must fire around CUDA-graph replays, and the
+    # compiled case must run in its own process under --isolate compiled.
+    pytest.importorskip("diffusers")
+    assert _bench(tmp_path, "--workload", "sd-tiny", "--configs", "fp32,cg@precision=fp16+compile=reduce-overhead",
+                  "--batches", "1", "--repeats", "3", "--profile", "none", "--isolate", "compiled",
+                  "--config-timeout", "300") == 0
+    r = _results(tmp_path)[("cg", 1)]
+    assert r["status"] == "ok", r.get("reason")
+    assert {"text_encoder", "denoise", "vae_decode"} <= set(r["stages_ms"]) and r["it_per_s"] > 0
+    assert r["compile_s"] > 0 and r["optimizations"]["compile"]["applied"]
+    assert r["stages_ms"]["denoise"] < r["call_ms"]

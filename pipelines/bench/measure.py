@@ -69,7 +69,14 @@ def spread_pct(values: list[float]) -> float | None:
 def matrix_rates(device: torch.device, size: int | None = None, repeats: int = 20, warmup: int = 5) -> dict:
     """Measured bf16 matrix-product rate and FP8 (`torch._scaled_mm`, e4m3, per-tensor scales, bf16 out) rate
     in TFLOP/s, on `size`³ products (8192 on a GPU, 512 on a CPU, where the numbers only feed the same
-    arithmetic). Three input pairs are rotated so no product runs out of a warm cache."""
+    arithmetic). Three input pairs are rotated so no product runs out of a warm cache.
+
+    FP8 is measured twice: with the default fp32 accumulation (`fp8_tflops`, the figure shared/GPU.md
+    quotes) and with `use_fast_accum=True` (`fp8_fast_accum_tflops`, what torchao's inference FP8 layers
+    ask for); the FP8 floor uses the faster of the two. `_scaled_mm`'s conventions (torch 2.5 to 2.13):
+    scale_a / scale_b are float32 tensors with one element (per-tensor scaling), the second operand is
+    column-major (the transpose of a row-major matrix), both dimensions multiples of 16, out_dtype names
+    the result's dtype."""
     n = int(size or (8192 if device.type == "cuda" else 512))
     flops = 2.0 * n ** 3
     g = torch.Generator(device).manual_seed(1234)     # drawn where they are used: 8192² on a CPU takes seconds
@@ -87,28 +94,52 @@ def matrix_rates(device: torch.device, size: int | None = None, repeats: int = 2
     del pairs
     try:
         f8 = torch.float8_e4m3fn
-        scale = torch.tensor(1.0, device=device)
-        # _scaled_mm wants the second operand column-major: the transpose of a row-major matrix.
+        scale = torch.ones((), dtype=torch.float32, device=device)
+        # The second operand column-major: the transpose of a row-major matrix (a strided view, no copy).
         pairs8 = [((torch.randn(n, n, generator=g, device=device) * 0.5).to(f8),
                    (torch.randn(n, n, generator=g, device=device) * 0.5).to(f8).t()) for _ in range(3)]
-        out["fp8_tflops"] = rate(lambda ab: torch._scaled_mm(ab[0], ab[1], scale_a=scale, scale_b=scale,
-                                                              out_dtype=torch.bfloat16), pairs8)
+        assert pairs8[0][1].stride() == (1, n), "the FP8 product's second operand must be column-major"
+        for key, fast in (("fp8_tflops", False), ("fp8_fast_accum_tflops", True)):
+            out[key] = rate(lambda ab: torch._scaled_mm(ab[0], ab[1], scale_a=scale, scale_b=scale,
+                                                        out_dtype=torch.bfloat16, use_fast_accum=fast), pairs8)
         del pairs8
     except (RuntimeError, AttributeError, TypeError, NotImplementedError) as exc:
-        out["fp8_tflops"] = None
+        out.setdefault("fp8_tflops", None)
+        out.setdefault("fp8_fast_accum_tflops", None)
         out["fp8_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
+def fp8_rate(rates: dict) -> float | None:
+    """The FP8 ceiling of a run: the faster of the two accumulation modes that were measured."""
+    vals = [v for v in (rates.get("fp8_tflops"), rates.get("fp8_fast_accum_tflops")) if isinstance(v, (int, float))]
+    return max(vals) if vals else None
+
+
 # -- FLOPs ----------------------------------------------------------------------------------------------
+
+# Products that FP8 linear layers (torchao) take over: nn.Linear lowers to these. Attention (SDPA, bmm) and
+# convolutions stay in bf16, so an FP8 configuration's floor mixes the two rates.
+LINEAR_OPS = ("aten.mm", "aten.addmm")
+
 
 def count_flops(fn: Callable[[], Any]) -> int:
     """FLOPs of one call as torch's flop counter sees them (matmuls, convolutions, attention)."""
+    return count_flops_detailed(fn)["flops"]
+
+
+def count_flops_detailed(fn: Callable[[], Any]) -> dict[str, int]:
+    """{'flops': all, 'linear_flops': the part in plain matrix products (what FP8 linear layers can take)}.
+
+    torch's counter knows the CUDA attention kernels (flash, memory-efficient, cuDNN) but not the CPU
+    flash kernel, so on a CPU attention is left out; the GPU runs count it."""
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         fn()
-    return int(counter.get_total_flops())
+    by_op = counter.get_flop_counts().get("Global", {})
+    linear = sum(int(v) for op, v in by_op.items() if str(op) in LINEAR_OPS)
+    return {"flops": int(counter.get_total_flops()), "linear_flops": linear}
 
 
 def _detached_clone(x):
@@ -144,18 +175,20 @@ class CallCapture:
         self._handles = []
 
     def flops(self) -> dict[str, dict]:
-        """stage -> {'calls': n, 'flops': total for the run}; modules replayed once each."""
+        """stage -> {'calls': n, 'flops': total for the run, 'linear_flops': its plain matrix-product part};
+        modules replayed once each."""
         self.remove()
         out: dict[str, dict] = {}
         for key, n in self.calls.items():
             stage = key.rsplit(".", 1)[0]
-            entry = out.setdefault(stage, {"calls": 0, "flops": 0})
+            entry = out.setdefault(stage, {"calls": 0, "flops": 0, "linear_flops": 0})
             if n == 0:
                 continue
             module, args, kwargs = self.first[key]
-            per_call = count_flops(lambda: module(*args, **kwargs))
+            per_call = count_flops_detailed(lambda: module(*args, **kwargs))
             entry["calls"] = max(entry["calls"], n)
-            entry["flops"] += per_call * n
+            entry["flops"] += per_call["flops"] * n
+            entry["linear_flops"] += per_call["linear_flops"] * n
         self.first.clear()
         return out
 
@@ -164,7 +197,10 @@ class CallCapture:
 
 class StageClock:
     """Per-stage time of one pipeline call, from forward hooks: a stage runs from the first entry into
-    any of its modules to the last exit. Events are recorded without syncs, so the clock costs nothing."""
+    any of its modules to the last exit. On a GPU each mark is a CUDA event recorded on the current
+    stream, with no synchronize: the end-to-end time of the same call is not changed by the clock (the
+    events are read after the call's own final synchronize). The hooks sit on the objects the pipeline
+    calls (a torch.compile wrapper included), so they run outside compiled code and CUDA graphs."""
 
     def __init__(self, stages: dict[str, list[torch.nn.Module]], device: torch.device):
         self.device = device

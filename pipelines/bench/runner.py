@@ -36,13 +36,14 @@ import numpy as np
 import torch
 
 import optim
-from core.device import pick_device, synchronizer
-from core.errors import AtelierError, InputError
+from core.device import pick_device
+from core.errors import AtelierError, InputError, OptionalDependencyError
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags, StyleGANParams
 from pipelines.base import to_uint8_images
 from pipelines.bench import build
-from pipelines.bench.measure import (CallCapture, StageClock, count_flops, device_times_ms, matrix_rates, median,
-                                     profile_call, spread_pct, sync, wall_ms)
+from pipelines.bench.estimate import command_overhead_s, estimate_case, same_flags_key
+from pipelines.bench.measure import (CallCapture, StageClock, count_flops_detailed, device_times_ms, fp8_rate,
+                                     matrix_rates, median, profile_call, spread_pct, sync, wall_ms)
 from pipelines.bench.specs import PROMPT, BenchConfig, Workload, get_workload, resolve_configs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ class BenchOptions:
     device: str | None = None
     out_dir: Path = Path("outputs/bench")
     max_minutes: float | None = None
-    isolate: bool = False
+    isolate: bool | str = False                   # False/'none', True/'all', or 'compiled' (compile / TensorRT cases)
     config_timeout_s: float | None = None
     profile: list[str] = field(default_factory=list)   # config names to profile, or ['all']
     weights: str | None = None
@@ -85,13 +86,20 @@ class Reference:
     """The fp32 batch-1 image of a workload (drift reference) and the FLOPs of one image."""
 
     images: np.ndarray                            # uint8 [1, H, W, C]
-    flops: dict[str, dict]                        # stage -> {'calls', 'flops'}
+    flops: dict[str, dict]                        # stage -> {'calls', 'flops', 'linear_flops'}
     params: dict[str, int]
     extra: dict = field(default_factory=dict)
 
     @property
     def flops_per_image(self) -> int:
         return int(sum(v["flops"] for v in self.flops.values()))
+
+    @property
+    def linear_flops_per_image(self) -> int | None:
+        """The plain matrix-product part (what FP8 linear layers can take); None for an old reference file."""
+        if not all("linear_flops" in v for v in self.flops.values()):
+            return None
+        return int(sum(v["linear_flops"] for v in self.flops.values()))
 
 
 # ==========================================================================================================
@@ -176,6 +184,19 @@ def environment(device: torch.device) -> dict:
 
 
 @contextlib.contextmanager
+def default_numerics():
+    """torch's own defaults (cuDNN convolutions may use TF32, matmuls may not): what a user who never
+    touches these switches runs, so the baseline runs under them rather than under the reference's."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@contextlib.contextmanager
 def reference_numerics():
     """fp32 means fp32 in this benchmark: TF32 off for matmuls and convolutions (torch turns it on for cuDNN
     convolutions by default). The tf32 configuration turns it back on through its own runtime context."""
@@ -188,13 +209,38 @@ def reference_numerics():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _cleanup(device: torch.device) -> None:
+# Errors after which the CUDA context of this process is unusable: every later call fails the same way.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert",
+                       "misaligned address", "illegal instruction", "uncorrectable ecc", "cuda error: unknown error",
+                       "an illegal address")
+
+
+def sticky_cuda_error(text: str) -> bool:
+    """True for an error text that means this process can no longer use its GPU (unlike an out-of-memory)."""
+    low = text.lower()
+    return any(k in low for k in _STICKY_CUDA_ERRORS)
+
+
+def _cleanup(device: torch.device) -> str | None:
+    """Free what the case left (compiled graphs, CUDA-graph pools, cached blocks) and reset the peak.
+    Never raises; returns why the device is unusable when it is (a sticky CUDA error), else None."""
     with contextlib.suppress(Exception):
-        torch._dynamo.reset()        # compiled graphs and CUDA-graph pools of the previous case
+        torch._dynamo.reset()        # compiled graphs of the previous case
+    with contextlib.suppress(Exception):
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()     # the private memory pools of CUDA-graph trees
     gc.collect()
-    if device.type == "cuda":
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    except Exception as exc:         # noqa: BLE001 - the probe itself is what failed
+        text = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return text if sticky_cuda_error(text) or isinstance(exc, RuntimeError) else None
+    return None
 
 
 def _peak_reset(device: torch.device) -> None:
@@ -208,6 +254,50 @@ def _peak_bytes(device: torch.device) -> int:
     from core.device import peak_memory_bytes
 
     return peak_memory_bytes(device)
+
+
+def _peak_fields(device: torch.device) -> dict:
+    """Peak allocated bytes since the last reset and, on a GPU, peak reserved bytes. Under CUDA graphs the
+    replays allocate nothing, so the allocated peak leaves out their activations; the graphs' private pool
+    stays reserved, which is why the reserved peak is recorded too."""
+    out = {"peak_vram_bytes": _peak_bytes(device)}
+    if device.type == "cuda":
+        out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+    return out
+
+
+STYLEGAN_FP8 = ("optim.fp8 quantizes diffusion UNets only (StyleGAN's convolutions are modulated per sample and "
+                "its dense layers are too small to gain)")
+
+
+def unavailable_here(flags: OptimizationFlags, wl: Workload, device: torch.device) -> str | None:
+    """Why a toggle the configuration asks for cannot run on this machine, known before any model is built
+    (the same checks optim.prepare makes), or None. A case skipped here costs no model build, no child
+    process and no device time; anything less certain is left to optim.prepare and check_applied."""
+    from optim import compile as opt_compile
+    from optim import fp8 as opt_fp8
+    from optim import tensorrt as opt_tensorrt
+    from optim.hardware import has_package
+
+    reasons = []
+    if flags.tensorrt:
+        r = opt_tensorrt.unavailable_reason(device)
+        if r:
+            reasons.append(f"tensorrt: {r}")
+    if flags.fp8:
+        r = opt_fp8.unavailable_reason(device)
+        if r:
+            reasons.append(f"fp8: {r}")
+        elif wl.kind == "stylegan":
+            reasons.append(f"fp8: {STYLEGAN_FP8}")
+    if flags.compile != "off":
+        r = opt_compile.unavailable_reason(device)
+        if r:
+            reasons.append(f"compile: {r}")
+    if (flags.prune_amount > 0 and flags.prune_method == "structured" and wl.kind == "diffusion"
+            and not has_package("torch_pruning")):
+        reasons.append("prune: structured UNet pruning needs torch-pruning (pip install torch-pruning)")
+    return "; ".join(reasons) or None
 
 
 def check_applied(flags: OptimizationFlags, report: dict) -> None:
@@ -241,6 +331,7 @@ class CaseContext:
     references: dict[str, Reference] = field(default_factory=dict)
     workloads_noted: set = field(default_factory=set)
     reference_errors: dict[str, str] = field(default_factory=dict)    # workload -> why it has no reference
+    cuda_broken: str | None = None                # set when a case left this process's CUDA context unusable
 
     @property
     def ref_dir(self) -> Path:
@@ -287,8 +378,8 @@ def _note_workload(ctx: CaseContext, wl: Workload, ref: Reference) -> None:
     ctx.workloads_noted.add(wl.name)
     ctx.sink.write({"type": "workload", "run_id": ctx.run_id, **wl.to_dict(), "steps": _workload_steps(ctx, wl),
                     "seed": ctx.opts.seed, "weights": ctx.opts.weights or f"random (seed {ctx.opts.seed})",
-                    "flops_per_image": ref.flops_per_image, "flops_by_stage": ref.flops, "params": ref.params,
-                    **ref.extra})
+                    "flops_per_image": ref.flops_per_image, "linear_flops_per_image": ref.linear_flops_per_image,
+                    "flops_by_stage": ref.flops, "params": ref.params, **ref.extra})
 
 
 def _is_reference_config(cfg: BenchConfig) -> bool:
@@ -340,9 +431,8 @@ def _stylegan_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int,
         first_ms, out = wall_ms(lambda: call(bank[0]), device)
         row["first_call_s"] = first_ms / 1e3
         if capture_reference:
-            flops = count_flops(lambda: call(bank[0][:1]))
-            ref = Reference(_uint8(out[:1]), {"synthesis": {"calls": 1, "flops": flops}},
-                            build.parameter_counts(G))
+            counted = count_flops_detailed(lambda: call(bank[0][:1]))
+            ref = Reference(_uint8(out[:1]), {"synthesis": {"calls": 1, **counted}}, build.parameter_counts(G))
             if reference_only:
                 return ref
         for i in range(1, warmup):
@@ -351,11 +441,12 @@ def _stylegan_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int,
         _peak_reset(device)
         order = [bank[(repeats - 1 - i) % len(bank)] for i in range(repeats)]   # the last call sees bank[0]
         times, out = device_times_ms(call, order, device)
-        row["peak_vram_bytes"] = _peak_bytes(device)
+        row.update(_peak_fields(device))
         images = _uint8(out) if batch == 1 else None
         row.update(_timing_fields(times, batch))
         row["stages_ms"] = {"synthesis": row["call_ms"]}
         row["warmup_calls"], row["repeats"] = warmup, repeats
+        row.update(_compile_fields(cfg, row))
         if pipe is not None:
             e2e = []
             req = GenerationRequest("stylegan", None, params, cfg.flags, str(device))
@@ -380,26 +471,35 @@ def _pil_stack(images) -> np.ndarray:
     return np.stack([np.asarray(im.convert("RGB")) for im in images])
 
 
+def _diffusion_stages(pipe) -> dict[str, list]:
+    """The modules whose first entry and last exit bound each stage (the same for both runners)."""
+    return {"text_encoder": [pipe.text_encoder, getattr(pipe, "text_encoder_2", None)], "denoise": [pipe.unet],
+            "vae_decode": [pipe.vae.post_quant_conv, pipe.vae.decoder]}
+
+
 class _ProductDiffusion:
-    """The studio's DiffusionPipeline.generate, timed end to end; stages from the job's own clock."""
+    """The studio's DiffusionPipeline.generate, timed end to end with one synchronize before and after.
+
+    The job gets no synchronizer: Job.stage would otherwise drain the device at every stage boundary (eight
+    times a call), which the studio's own progress display does but which would hide host/device overlap
+    from the end-to-end figure. Stage times come from CUDA events in forward hooks instead, exactly as for
+    the stock pipeline, so the two rows are measured the same way."""
 
     def __init__(self, product, wl: Workload, flags: OptimizationFlags, batch: int, steps: int, device):
         self.product, self.wl, self.flags, self.batch, self.steps, self.device = product, wl, flags, batch, steps, device
         self.pipe = product.pipe
+        self.clock = StageClock(self.modules(), device)
 
     def modules(self) -> dict[str, list]:
-        p = self.pipe
-        return {"text_encoder": [p.text_encoder, getattr(p, "text_encoder_2", None)], "denoise": [p.unet],
-                "vae_decode": [p.vae.post_quant_conv, p.vae.decoder]}
+        return _diffusion_stages(self.pipe)
 
     def call(self, seed: int) -> tuple[float, dict, np.ndarray]:
         params = DiffusionParams(prompt=PROMPT, seed=seed, steps=self.steps, guidance=self.wl.guidance,
                                  width=self.wl.resolution, height=self.wl.resolution, batch_size=self.batch)
         req = GenerationRequest("diffusion", None, params, self.flags, str(self.device))
-        job = Job(sync=synchronizer(self.device))
-        ms, res = wall_ms(lambda: self.product.generate(req, job), self.device)
-        stages = {k: v for k, v in job.timings_ms.items() if k in ("text_encoder", "denoise", "vae_decode", "postprocess")}
-        return ms, stages, _pil_stack(res.images)
+        self.clock.begin()
+        ms, res = wall_ms(lambda: self.product.generate(req, Job()), self.device)
+        return ms, self.clock.end(), _pil_stack(res.images)
 
 
 class _StockDiffusion:
@@ -410,9 +510,7 @@ class _StockDiffusion:
         self.clock = StageClock(self.modules(), device)
 
     def modules(self) -> dict[str, list]:
-        p = self.pipe
-        return {"text_encoder": [p.text_encoder, getattr(p, "text_encoder_2", None)], "denoise": [p.unet],
-                "vae_decode": [p.vae.post_quant_conv, p.vae.decoder]}
+        return _diffusion_stages(self.pipe)
 
     def call(self, seed: int) -> tuple[float, dict, np.ndarray]:
         gens = [torch.Generator("cpu").manual_seed(seed + i) for i in range(self.batch)]
@@ -447,6 +545,17 @@ def _diffusion_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int
         runner = _ProductDiffusion(product, wl, cfg.flags, batch, steps, device)
     sync(device)
     row["prepare_s"] = time.perf_counter() - t0
+    try:
+        return _diffusion_measure(ctx, wl, cfg, batch, row, runner, steps, calib, capture_reference, reference_only)
+    finally:
+        runner.clock.remove()
+
+
+def _diffusion_measure(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int, row: dict, runner, steps: int,
+                       calib: dict | None, capture_reference: bool, reference_only: bool) -> Reference | None:
+    device, opts = ctx.device, ctx.opts
+    # A diffusion call runs the UNet once per step, so by the end of the first call a compiled UNet has compiled,
+    # and (reduce-overhead) recorded and replayed its CUDA graph: one more call is a steady one.
     warmup = max(opts.warmup if opts.warmup is not None else wl.warmup, 2 if cfg.uses_compile else 1)
     repeats = opts.repeats or wl.repeats
     ref = None
@@ -470,19 +579,18 @@ def _diffusion_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int
             ms, stages, images = runner.call(seed)
             walls.append(ms)
             stage_runs.append(stages)
-        row["peak_vram_bytes"] = _peak_bytes(device)
+        row.update(_peak_fields(device))
     row.update(_timing_fields(walls, batch))
     names = sorted({k for s in stage_runs for k in s})
     row["stages_ms"] = {k: median([s[k] for s in stage_runs if k in s]) for k in names}
     denoise = row["stages_ms"].get("denoise")
     row["it_per_s"] = steps / (denoise / 1e3) if denoise else None
     row["warmup_calls"], row["repeats"], row["steps"] = warmup, repeats, steps
+    row.update(_compile_fields(cfg, row))
     if _wants_profile(opts, cfg):
         with torch.no_grad():
             row["profile"] = _with_busy(profile_call(lambda: runner.call(opts.seed), device), row["call_ms"])
     row["_images"] = images if batch == 1 else None
-    if isinstance(runner, _StockDiffusion):
-        runner.clock.remove()
     return ref
 
 
@@ -506,16 +614,32 @@ def _wants_profile(opts: BenchOptions, cfg: BenchConfig) -> bool:
     return "all" in opts.profile or cfg.name in opts.profile
 
 
-def _floor_fields(ms_per_image: float | None, flops: int | None, rates: dict) -> dict:
+def _compile_fields(cfg: BenchConfig, row: dict) -> dict:
+    """Compilation time, apart from the timed calls: the first call minus a steady call (the first call of a
+    compiled configuration traces, compiles and, with CUDA graphs, records)."""
+    if not cfg.uses_compile or row.get("first_call_s") is None or not row.get("call_ms"):
+        return {}
+    return {"compile_s": max(0.0, row["first_call_s"] - row["call_ms"] / 1e3)}
+
+
+def _floor_fields(ms_per_image: float | None, ref: Reference | None, rates: dict, uses_fp8: bool = False) -> dict:
+    """The floor of a row: its workload's FLOPs per image at the measured bf16 matrix rate, and the row's
+    fraction of it. An FP8 row also gets a mixed floor: the plain matrix products (what FP8 linear layers
+    take over) at the faster measured FP8 rate, everything else (convolutions, attention) at the bf16 rate;
+    counting every FLOP at the FP8 rate would set a floor no configuration can reach."""
+    flops = ref.flops_per_image if ref else None
     out: dict[str, Any] = {"flops_per_image": flops}
     bf16 = rates.get("bf16_tflops")
-    fp8 = rates.get("fp8_tflops")
-    if flops and bf16:
-        floor = flops / (bf16 * 1e12) * 1e3
-        out["floor_ms_per_image"] = floor
-        out["floor_fraction"] = floor / ms_per_image if ms_per_image else None
-    if flops and fp8:
-        floor8 = flops / (fp8 * 1e12) * 1e3
+    if not (flops and bf16):
+        return out
+    floor = flops / (bf16 * 1e12) * 1e3
+    out["floor_ms_per_image"] = floor
+    out["floor_fraction"] = floor / ms_per_image if ms_per_image else None
+    fp8 = fp8_rate(rates)
+    linear = ref.linear_flops_per_image if ref else None
+    if uses_fp8 and fp8 and linear is not None:
+        floor8 = (linear / (fp8 * 1e12) + (flops - linear) / (bf16 * 1e12)) * 1e3
+        out["linear_flops_per_image"] = linear
         out["floor_fp8_ms_per_image"] = floor8
         out["floor_fraction_fp8"] = floor8 / ms_per_image if ms_per_image else None
     return out
@@ -541,10 +665,15 @@ def run_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int) -> di
     base = {"run_id": ctx.run_id, "workload": wl.name, "config": cfg.name, "batch": batch,
             "description": cfg.description, "flags": cfg.flags.to_dict() if cfg.flags else None,
             "fp32_layers": cfg.fp32_layers}
-    ctx.sink.write({"type": "start", **base, "time": time.time()})
+    ctx.sink.write({"type": "start", **base, "time": time.time(), "pid": os.getpid()})
     row: dict[str, Any] = {"type": "result", **base, "status": "ok"}
     t0 = time.perf_counter()
     try:
+        why = unavailable_here(cfg.flags, wl, ctx.device) if cfg.flags is not None else None
+        if why and cfg.flags.strict:
+            raise OptionalDependencyError(f"--strict: requested optimizations could not run here ({why})")
+        if why:
+            raise SkipCase(f"{why} (known before the model was built)")
         ref = _load_reference(ctx, wl)
         capture = ref is None and batch == 1 and _is_reference_config(cfg)
         if ref is None and not capture and wl.name not in ctx.reference_errors:
@@ -558,7 +687,8 @@ def run_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int) -> di
         if ref is not None:
             _note_workload(ctx, wl, ref)
         fn = _stylegan_case if wl.kind == "stylegan" else _diffusion_case
-        new_ref = fn(ctx, wl, cfg, batch, row, capture_reference=capture)
+        with default_numerics() if cfg.is_baseline else contextlib.nullcontext():
+            new_ref = fn(ctx, wl, cfg, batch, row, capture_reference=capture)
         if new_ref is not None:
             _store_reference(ctx, wl, new_ref)
             _note_workload(ctx, wl, new_ref)
@@ -566,7 +696,7 @@ def run_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int) -> di
         images = row.pop("_images", None)
         if images is not None and ref is not None and ctx.drift_fn is not None:
             row["drift"] = {"reference": "fp32", **ctx.drift_fn(ref.images, images)}
-        row.update(_floor_fields(row.get("ms_per_image"), ref.flops_per_image if ref else None, ctx.rates))
+        row.update(_floor_fields(row.get("ms_per_image"), ref, ctx.rates, cfg.uses_fp8))
     except SkipCase as exc:
         row.update(status="skipped", reason=str(exc))
     except torch.cuda.OutOfMemoryError as exc:
@@ -579,7 +709,10 @@ def run_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int) -> di
     finally:
         row.pop("_images", None)
         row["case_s"] = time.perf_counter() - t0
-        _cleanup(ctx.device)
+        broken = _cleanup(ctx.device)
+        if broken:
+            ctx.cuda_broken = f"{wl.name} b{batch} {cfg.name} left the GPU unusable in this process ({broken})"
+            row["cuda_broken"] = ctx.cuda_broken
     ctx.sink.write(row)
     return row
 
@@ -594,18 +727,37 @@ def plan(opts: BenchOptions) -> list[tuple[Workload, BenchConfig, int]]:
     if not opts.workloads:
         raise InputError("name at least one workload (--workload); `bench list` shows them")
     cases = []
-    for name in opts.workloads:
+    for spec in opts.workloads:
+        name, own_batches = parse_workload_spec(spec)
         wl = get_workload(name)
         configs = resolve_configs(wl, opts.configs, strict=opts.strict)
-        batches = sorted(set(opts.batches or wl.batches))
+        batches = sorted(set(own_batches or opts.batches or wl.batches))
         if any(b < 1 for b in batches):
             raise InputError(f"batch sizes must be ≥ 1; got {batches}")
         for b in batches:
             ordered = sorted(configs, key=lambda c: 0 if (b == 1 and _is_reference_config(c)) else 1)
             cases += [(wl, c, b) for c in ordered]
+    keys = [(w.name, c.name, b) for w, c, b in cases]
+    if len(set(keys)) != len(keys):
+        raise InputError("a workload is named twice in --workload; give it once (NAME@B1+B2 for several batches)")
     if opts.weights and len({w.name for w, _, _ in cases}) > 1:
         raise InputError("--weights belongs to one workload: run one --workload at a time with real weights")
     return cases
+
+
+def parse_workload_spec(spec: str) -> tuple[str, list[int] | None]:
+    """'sg2-1024' -> ('sg2-1024', None); 'sg2-1024@1+32' -> ('sg2-1024', [1, 32]): a workload with its own
+    batch sizes, so one command can hold batch 32 of one workload and batch 1 of another."""
+    name, at, body = spec.strip().partition("@")
+    if not at:
+        return name, None
+    try:
+        batches = [int(b) for b in body.split("+") if b.strip()]
+    except ValueError:
+        raise InputError(f"a workload with its own batches is NAME@B1+B2 (e.g. sg2-1024@1+32); got {spec!r}") from None
+    if not batches:
+        raise InputError(f"no batch sizes after '@' in {spec!r}; e.g. sg2-1024@32")
+    return name, batches
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
@@ -675,12 +827,95 @@ def _run_child(opts: BenchOptions, ctx: CaseContext, wl: Workload, cfg: BenchCon
     return row
 
 
+def isolation_mode(value: bool | str | None) -> str:
+    """'none', 'all' or 'compiled' from BenchOptions.isolate (True means 'all')."""
+    if value is True:
+        return "all"
+    if value in (False, None, "", "none"):
+        return "none"
+    if value in ("all", "compiled"):
+        return str(value)
+    raise InputError(f"--isolate takes 'all' (the default when given alone), 'compiled' or 'none'; got {value!r}")
+
+
+def _in_child(mode: str, cfg: BenchConfig, ctx: CaseContext | None = None) -> bool:
+    """Whether a case runs in its own process: all of them, only those that compile or build an engine (the
+    ones that can take minutes and leave compiled state behind), or every case once this process's CUDA
+    context broke."""
+    if ctx is not None and ctx.cuda_broken:
+        return True
+    if mode == "all":
+        return True
+    return mode == "compiled" and cfg.flags is not None and (cfg.uses_compile or cfg.flags.tensorrt)
+
+
+def _needs_reference(cases: list, i: int) -> bool:
+    """Whether case i pays for a dedicated fp32 reference run: it is the first case of its workload and the
+    plan's fp32 batch-1 case (which captures the reference itself) does not come first."""
+    wl, cfg, batch = cases[i]
+    if any(w.name == wl.name for w, _, _ in cases[:i]):
+        return False
+    return not (batch == 1 and _is_reference_config(cfg))
+
+
+def estimate_plan(opts: BenchOptions) -> dict:
+    """The plan with each case's estimated seconds on the H200 (see pipelines.bench.estimate); touches no
+    device. Cases with the same flags as an earlier one cost nothing (their result is copied)."""
+    cases = plan(opts)
+    mode = isolation_mode(opts.isolate)
+    seen: set = set()
+    rows, total = [], 0.0
+    kinds = {wl.kind for wl, _, _ in cases}
+    overhead = command_overhead_s(kinds)
+    for i, (wl, cfg, batch) in enumerate(cases):
+        key = _same_key(wl, cfg, batch)
+        if key in seen:
+            rows.append({"workload": wl.name, "config": cfg.name, "batch": batch, "seconds": 0.0, "isolated": False,
+                         "note": "same flags as an earlier case: result copied", "parts": {}})
+            continue
+        seen.add(key)
+        est = estimate_case(wl, cfg, batch, warmup=opts.warmup, repeats=opts.repeats, steps=opts.steps,
+                            isolated=_in_child(mode, cfg), needs_reference=_needs_reference(cases, i),
+                            profiled=_wants_profile(opts, cfg))
+        rows.append(est.to_dict())
+        total += est.seconds
+    total += overhead
+    out = {"cases": rows, "overhead_s": round(overhead, 1), "total_s": round(total, 1),
+           "total_min": round(total / 60, 2), "isolate": mode, "max_minutes": opts.max_minutes,
+           "config_timeout_s": opts.config_timeout_s}
+    notes = []
+    if opts.max_minutes is not None and total > opts.max_minutes * 60:
+        notes.append(f"the estimate ({total / 60:.1f} min) is over --max-minutes {opts.max_minutes:g}: the last "
+                     f"cases would be skipped (or killed, if isolated)")
+    if opts.config_timeout_s is not None:
+        slow = [r for r in rows if r["seconds"] > opts.config_timeout_s]
+        if slow:
+            notes.append("estimated over --config-timeout: " + ", ".join(f"{r['workload']} b{r['batch']} {r['config']} "
+                                                                           f"({r['seconds']:.0f} s)" for r in slow))
+    out["notes"] = notes
+    return out
+
+
+def format_estimate(est: dict) -> str:
+    lines = [f"{'workload':<13} {'batch':>5}  {'config':<12} {'est. s':>7}  {'child':<5}  note / parts"]
+    for r in est["cases"]:
+        parts = ", ".join(f"{k} {v:g}" for k, v in r["parts"].items())
+        lines.append(f"{r['workload']:<13} {r['batch']:>5}  {r['config']:<12} {r['seconds']:>7.1f}  "
+                     f"{'yes' if r['isolated'] else '':<5}  {r['note'] or parts}")
+    lines.append(f"command start + matrix rates: {est['overhead_s']:.0f} s")
+    lines.append(f"estimated total on the H200: {est['total_s']:.0f} s = {est['total_min']:.1f} min "
+                 f"(isolate: {est['isolate']})")
+    lines += [f"note: {n}" for n in est["notes"]]
+    return "\n".join(lines)
+
+
 def run(opts: BenchOptions, drift_fn: DriftFn | None = None, log: Callable[[str], None] | None = None) -> Path:
     """Run the benchmark; returns the JSON-lines file the rows were appended to."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     say = (lambda s: None) if opts.quiet else log
     device = pick_device(opts.device)
     cases = plan(opts)
+    mode = isolation_mode(opts.isolate)
     specs = _config_specs(opts)
     sink = JsonlSink(Path(opts.out_dir) / JSONL_NAME)
     run_id = opts.run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
@@ -692,7 +927,8 @@ def run(opts: BenchOptions, drift_fn: DriftFn | None = None, log: Callable[[str]
             rates = matrix_rates(device)
         if not opts.child:
             sink.write({"type": "run", "run_id": run_id, **environment(device), "command": opts.command,
-                        "rates": rates, "isolate": opts.isolate, "tf32": "off unless the configuration asks for it",
+                        "rates": rates, "isolate": mode, "tf32": "off unless the configuration asks for it "
+                        "(the baseline runs under torch's defaults: TF32 for cuDNN convolutions only)",
                         "cases_planned": len(cases)})
             fp8 = rates.get("fp8_tflops")
             say(f"run {run_id} on {device}: bf16 {rates['bf16_tflops']:.4g} TFLOP/s, "
@@ -709,32 +945,43 @@ def run(opts: BenchOptions, drift_fn: DriftFn | None = None, log: Callable[[str]
                 sink.write(row)
                 say(f"{_bar(i + 1, len(cases))} {label}: same flags as {same['config']}, result copied")
                 continue
+            child = _in_child(mode, cfg, ctx) and not opts.child
             remaining = deadline - time.monotonic() if deadline is not None else None
+            why_not = None
             if remaining is not None and remaining <= 0:
+                why_not = f"time budget (--max-minutes {opts.max_minutes:g}) spent before this case started"
+            elif remaining is not None and device.type == "cuda" and not opts.child:
+                est = estimate_case(wl, cfg, batch, warmup=opts.warmup, repeats=opts.repeats, steps=opts.steps,
+                                    isolated=child, needs_reference=_needs_reference(cases, i),
+                                    profiled=_wants_profile(opts, cfg))
+                if 0.75 * est.seconds > remaining:      # even a quarter faster than estimated it would not finish
+                    why_not = (f"would not finish in the {remaining:.0f} s left of --max-minutes {opts.max_minutes:g} "
+                               f"(estimated {est.seconds:.0f} s on an H200)")
+            if why_not:
                 row = {"type": "result", "run_id": run_id, "workload": wl.name, "config": cfg.name, "batch": batch,
                        "description": cfg.description, "flags": cfg.flags.to_dict() if cfg.flags else None,
-                       "status": "skipped", "reason": f"time budget (--max-minutes {opts.max_minutes:g}) spent before "
-                                                      f"this case started; run it in another command"}
+                       "status": "skipped", "reason": f"{why_not}; run it in another command"}
                 sink.write(row)
-                say(f"{_bar(i + 1, len(cases))} {label}: skipped (time budget)")
+                say(f"{_bar(i + 1, len(cases))} {label}: skipped ({why_not})")
                 continue
-            say(f"{_bar(i, len(cases))} {label} …")
-            if opts.isolate and not opts.child:
+            say(f"{_bar(i, len(cases))} {label}{' (own process)' if child else ''} …")
+            if child:
                 timeout = min(t for t in (opts.config_timeout_s, remaining) if t is not None) \
                     if (opts.config_timeout_s is not None or remaining is not None) else None
                 row = _run_child(opts, ctx, wl, cfg, specs.get(cfg.name, cfg.name), batch, timeout)
             else:
                 row = run_case(ctx, wl, cfg, batch)
             say(f"{_bar(i + 1, len(cases))} {label}: {_summary_line(row)}")
+            if row.get("cuda_broken") and not opts.child:
+                say(f"the GPU is unusable in this process ({row['cuda_broken']}); the remaining cases run in their "
+                    f"own processes")
             if row.get("status") in ("ok", "skipped"):
                 done[_same_key(wl, cfg, batch)] = row
     return sink.path
 
 
 def _same_key(wl: Workload, cfg: BenchConfig, batch: int) -> tuple:
-    if cfg.flags is None:
-        return (wl.name, batch, "baseline", cfg.name)
-    return (wl.name, batch, replace(cfg.flags, strict=False), cfg.fp32_layers)
+    return same_flags_key(wl, cfg, batch)
 
 
 def _config_specs(opts: BenchOptions) -> dict[str, str]:

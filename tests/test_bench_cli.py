@@ -1,0 +1,246 @@
+"""The bench command as the GPU machine runs it: no gradio and no matplotlib there, the documented chunk
+commands exactly as written (dry run: flags exist, each chunk fits its time budget), cases isolated only
+where they compile, toggles that cannot run skipped before a model is built, and the floor arithmetic."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cli.bench import main as bench_main
+from pipelines.bench.estimate import ANCHORS, call_seconds
+from pipelines.bench.measure import matrix_rates
+from pipelines.bench.runner import (BenchOptions, Reference, _cleanup, _floor_fields, estimate_plan, isolation_mode,
+                                    sticky_cuda_error)
+from pipelines.bench.specs import get_workload, resolve_configs
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+CHUNK_LIMIT_S = 8 * 60          # each command must end well inside the machine's 10-minute limit
+
+# Imported at interpreter start (sitecustomize on PYTHONPATH), in the bench process and in any child it
+# starts: gradio and matplotlib cannot be imported, and every attempt is written to a file.
+_BLOCKER = textwrap.dedent('''
+    import os, sys
+
+    class _Absent:
+        BLOCKED = ("gradio", "gradio_client", "matplotlib")
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in self.BLOCKED:
+                frame = sys._getframe(1)         # who asked: the first frame outside the import machinery
+                while frame is not None and ("importlib" in frame.f_code.co_filename
+                                             or frame.f_code.co_filename.startswith("<")):
+                    frame = frame.f_back
+                where = frame.f_code.co_filename if frame is not None else "?"
+                with open(os.environ["BLOCK_LOG"], "a") as f:
+                    f.write(f"{name} {where}\\n")
+                raise ImportError(f"{name} is not installed on this machine (blocked by the test)")
+            return None
+
+    sys.meta_path.insert(0, _Absent())
+''')
+
+
+def _blocked_env(tmp_path: Path) -> tuple[dict, Path]:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)
+    log = tmp_path / "blocked.log"
+    log.write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "BLOCK_LOG": str(log)}
+    return env, log
+
+
+def _rows(path: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+
+
+def test_app_bench_runs_and_reports_without_gradio_or_matplotlib(tmp_path):
+    env, log = _blocked_env(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", "import matplotlib"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "blocked by the test" in probe.stderr      # the blocker is really in place
+    log.write_text("")
+
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "app.py", "bench", "--workload", "sg2-tiny", "--configs", "fp32,bf16",
+                        "--batches", "1", "--repeats", "1", "--profile", "none", "--device", "cpu", "--quiet",
+                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    attempts = log.read_text().splitlines()
+    # nothing on the bench path asked for gradio; matplotlib was asked for only by the report's plot step
+    assert not [a for a in attempts if a.startswith("gradio")], attempts
+    assert attempts and all(a.startswith("matplotlib") and a.endswith("telemetry/bench_report.py")
+                            for a in attempts), attempts
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    res = {r["config"]: r for r in _rows(Path(summary["jsonl"]), "result")}
+    assert res["fp32"]["status"] == "ok" and res["bf16"]["status"] == "ok", res
+    assert summary["plots"] == [] and "plots skipped" in (out / "bench.md").read_text()
+
+    # `bench report` (here, later) merges the pieces; without matplotlib it writes the tables and says why no plot
+    doc = tmp_path / "benchmarks.md"
+    p = subprocess.run([sys.executable, "app.py", "bench", "report", "--inputs", str(out / "bench.jsonl"),
+                        "--out", str(doc)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = doc.read_text()
+    assert "| `fp32` |" in text and "plots skipped" in text and "matplotlib" in text
+
+
+# -- the documented chunks ----------------------------------------------------------------------------------
+
+def documented_chunks() -> list[tuple[str, list[str], float | None]]:
+    """(label, bench arguments, the minutes the doc claims) for every `app.py bench` run command in the
+    H200 section of docs/benchmarks.md."""
+    text = DOC.read_text()
+    section = text[text.index("### On the H200"):text.index("### Reading the tables")]
+    code = "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S))
+    chunks, claimed = [], None
+    for line in code.splitlines():
+        m = re.search(r"est\. ([\d.]+) min", line)
+        if line.lstrip().startswith("#") and m:
+            claimed = float(m.group(1))
+        if "app.py bench" in line and " report" not in line and not line.lstrip().startswith("#"):
+            cmd = line[line.index("app.py bench") + len("app.py bench"):]
+            args = shlex.split(cmd.replace("$OUT", "/tmp/OUT"))
+            name = args[args.index("--out") + 1].rsplit("/", 1)[-1] if "--out" in args else line.strip()[:60]
+            chunks.append((name, args, claimed))
+            claimed = None
+    return chunks
+
+
+def test_the_documented_chunks_exist_and_are_ordered():
+    chunks = documented_chunks()
+    assert len(chunks) >= 6
+    first = " ".join(chunks[0][1])
+    assert "sg2-1024" in first and "sg3t-1024" in first            # StyleGAN first, then SD1.5 baseline vs best
+    assert "sd15-512" in " ".join(chunks[1][1]) and "best" in " ".join(chunks[1][1])
+    for label, args, claimed in chunks:
+        assert claimed is not None, f"no '(est. N min)' comment above {label}"
+        assert "--max-minutes" in args and "--out" in args, label
+
+
+@pytest.mark.parametrize("label,args,claimed", documented_chunks(), ids=lambda v: v if isinstance(v, str) else "")
+def test_each_documented_chunk_parses_and_fits_its_budget(label, args, claimed, capsys):
+    assert bench_main(args + ["--dry-run"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    total = float(re.search(r"estimated total on the H200: ([\d.]+) s", out).group(1))
+    assert total < CHUNK_LIMIT_S, f"{label}: estimated {total / 60:.1f} min\n{out}"
+    assert "note:" not in out, out                      # not over its own --max-minutes or --config-timeout
+    assert abs(total / 60 - claimed) <= 0.3, f"{label}: the doc says {claimed} min, the estimate is {total / 60:.2f}"
+
+
+def test_dry_run_touches_nothing(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert bench_main(["--workload", "sd15-512,sg2-1024", "--configs", "baseline,fp32,best,tensorrt,prune-50",
+                       "--batches", "1", "--isolate", "compiled", "--max-minutes", "1", "--config-timeout", "60",
+                       "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert not out.exists()
+    assert "skipped on the H200: TensorRT" in text and "torch-pruning" in text     # diffusion's structured pruning
+    assert "over --max-minutes 1" in text and "over --config-timeout" in text
+
+
+# -- the plan's arithmetic -----------------------------------------------------------------------------------
+
+def test_estimates_follow_the_measured_anchors_and_the_plan():
+    sd15 = get_workload("sd15-512")
+    cfg = {c.name: c for c in resolve_configs(sd15, ["baseline", "fp32", "best", "compile"])}
+    # GPU.md: a 50-step fp32 image is 50 × 72.2 ms of UNet plus the VAE; the CUDA-graph one 50 × 9.1 ms
+    assert 50 * 0.0722 < call_seconds(sd15, cfg["fp32"].flags, 1) < 50 * 0.0722 + 0.2
+    assert 50 * 0.0091 < call_seconds(sd15, cfg["best"].flags, 1) < 50 * 0.0091 + 0.2
+    assert call_seconds(sd15, cfg["baseline"].flags, 8) > call_seconds(sd15, cfg["baseline"].flags, 1)
+    opts = BenchOptions(workloads=["sd15-512"], configs=["baseline", "best"], batches=[1], isolate="compiled",
+                        profile=["best"])
+    est = estimate_plan(opts)
+    base, best = est["cases"]
+    assert not base["isolated"] and best["isolated"] and best["parts"]["compile"] == 85.0
+    assert "fp32_reference" in base["parts"]          # no fp32 case in the plan: the first case pays for the reference
+    assert "profile" in best["parts"] and "profile" not in base["parts"]
+    with_fp32 = estimate_plan(BenchOptions(workloads=["sd15-512"], configs=["fp32", "baseline"], batches=[1]))
+    assert all("fp32_reference" not in c["parts"] for c in with_fp32["cases"])
+    # identical flags are measured once: sg2-1024's best is compile-cg
+    dup = estimate_plan(BenchOptions(workloads=["sg2-1024"], configs=["compile-cg", "best"], batches=[1]))
+    assert dup["cases"][1]["seconds"] == 0.0 and "copied" in dup["cases"][1]["note"]
+    assert set(ANCHORS) == {"sd15-512", "sdxl-1024", "sd-turbo-512", "sg2-1024", "sg3t-1024"}
+
+
+def test_isolation_modes_parse():
+    assert isolation_mode(True) == "all" and isolation_mode(False) == "none" and isolation_mode(None) == "none"
+    assert isolation_mode("compiled") == "compiled"
+    from core.errors import InputError
+
+    with pytest.raises(InputError, match="compiled"):
+        isolation_mode("some")
+
+
+# -- running: isolation, early skips, cleanup ----------------------------------------------------------------
+
+def test_isolate_compiled_runs_only_compiled_cases_in_a_child(tmp_path):
+    out = tmp_path / "iso"
+    rc = bench_main(["--out", str(out), "--device", "cpu", "--quiet", "--no-report", "--workload", "sg2-tiny",
+                     "--configs", "fp32,cc@precision=fp32+compile=default", "--batches", "1", "--repeats", "1",
+                     "--profile", "none", "--isolate", "compiled", "--config-timeout", "1"])
+    assert rc == 0
+    res = {r["config"]: r for r in _rows(out / "bench.jsonl", "result")}
+    starts = {r["config"]: r for r in _rows(out / "bench.jsonl", "start")}
+    assert res["fp32"]["status"] == "ok" and starts["fp32"]["pid"] == os.getpid()     # eager: in this process
+    # the compiled case went to a child process, which the 1-second timeout killed (an in-process case cannot be)
+    assert res["cc"]["status"] == "failed" and "timed out" in res["cc"]["reason"]
+    assert "cc" not in starts or starts["cc"]["pid"] != os.getpid()
+
+
+def test_toggles_that_cannot_run_here_skip_before_any_model_is_built(tmp_path):
+    # On a CPU: TensorRT is not installed and FP8 needs a GPU; neither case builds the generator.
+    out = tmp_path / "skip"
+    rc = bench_main(["--out", str(out), "--device", "cpu", "--quiet", "--no-report", "--workload", "sg2-tiny",
+                     "--configs", "tensorrt,fp8", "--batches", "1", "--profile", "none"])
+    assert rc == 0
+    res = {r["config"]: r for r in _rows(out / "bench.jsonl", "result")}
+    for name, word in (("tensorrt", "TensorRT"), ("fp8", "FP8")):
+        r = res[name]
+        assert r["status"] == "skipped" and word in r["reason"] and "before the model was built" in r["reason"]
+        assert "prepare_s" not in r and r["case_s"] < 2.0
+    assert not (out / "reference").exists()        # not even the fp32 reference was built for them
+    out2 = tmp_path / "strict"
+    assert bench_main(["--out", str(out2), "--device", "cpu", "--quiet", "--no-report", "--workload", "sg2-tiny",
+                       "--configs", "tensorrt", "--batches", "1", "--strict"]) == 0
+    r = _rows(out2 / "bench.jsonl", "result")[0]
+    assert r["status"] == "failed" and "--strict" in r["reason"]
+
+
+def test_sticky_cuda_errors_are_told_from_recoverable_ones():
+    assert sticky_cuda_error("CUDA error: an illegal memory access was encountered")
+    assert sticky_cuda_error("RuntimeError: CUDA error: device-side assert triggered")
+    assert not sticky_cuda_error("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert _cleanup(torch.device("cpu")) is None          # and the cleanup itself never raises
+
+
+# -- rates and the floor ---------------------------------------------------------------------------------------
+
+def test_matrix_rates_measure_bf16_and_both_fp8_accumulations():
+    r = matrix_rates(torch.device("cpu"), size=64, repeats=2, warmup=1)
+    assert r["size"] == 64 and r["bf16_tflops"] > 0
+    if "fp8_error" not in r:                       # _scaled_mm runs on CPUs too in current torch
+        assert r["fp8_tflops"] > 0 and r["fp8_fast_accum_tflops"] > 0
+
+
+def test_floor_of_an_fp8_row_mixes_the_two_rates():
+    ref = Reference(np.zeros((1, 4, 4, 3), np.uint8),
+                    {"denoise": {"calls": 50, "flops": 800, "linear_flops": 600}, "vae": {"calls": 1, "flops": 200,
+                                                                                         "linear_flops": 0}},
+                    {"unet": 1})
+    rates = {"bf16_tflops": 1e-9, "fp8_tflops": 1.5e-9, "fp8_fast_accum_tflops": 2e-9}    # 1000 / 2000 FLOP/s
+    bf16 = _floor_fields(2000.0, ref, rates)
+    assert bf16["floor_ms_per_image"] == pytest.approx(1000.0) and bf16["floor_fraction"] == pytest.approx(0.5)
+    assert "floor_fp8_ms_per_image" not in bf16                       # a bf16 row is held to the bf16 floor
+    fp8 = _floor_fields(2000.0, ref, rates, uses_fp8=True)
+    # 600 linear FLOPs at the faster FP8 rate (2000/s) + 400 others at bf16 (1000/s) = 0.3 + 0.4 s
+    assert fp8["floor_fp8_ms_per_image"] == pytest.approx(700.0) and fp8["floor_fraction_fp8"] == pytest.approx(0.35)
+    assert fp8["floor_ms_per_image"] == pytest.approx(1000.0)
