@@ -250,6 +250,24 @@ def test_gpu_stylegan_compile_inductor(testdata, tmp_path, mode, dynamo_clean):
 
 
 @pytest.mark.gpu
+def test_gpu_cuda_graphs_replay_in_other_threads(testdata, tmp_path, dynamo_clean):
+    """The studio runs generation in Gradio's worker threads: graphs compiled and recorded in one thread
+    (CUDA-graph trees keep per-thread state) replay in others, without recompiling, with the same image."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cuda = torch.device("cuda")
+    G = load_G(testdata, "sg2_cond4_64_fp16").to(cuda)
+    G, report = optim.prepare(G, Flags(compile="reduce-overhead"), cuda, kind="stylegan", cache_dir=tmp_path)
+    for _ in range(3):                         # compile, record, replay
+        here = generate(G, Flags(), seeds=(0, 1), device=cuda)
+    torch._dynamo.config.error_on_recompile = True
+    with ThreadPoolExecutor(2) as pool:
+        there = [pool.submit(generate, G, Flags(), (0, 1), cuda).result() for _ in range(4)]
+    assert all(rel_err(here, t) < 1e-6 for t in there)
+    assert set(report["compile"]["buckets"]) == {"2xconst"}
+
+
+@pytest.mark.gpu
 def test_gpu_unet_compile_reduce_overhead(tmp_path, dynamo_clean):
     from tests.optim_tiny import prompt_embeds, tiny_pipeline
 
