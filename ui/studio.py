@@ -440,6 +440,21 @@ def build_app(services: Services) -> gr.Blocks:
             sess.timer_interval = FAST_TICK_S
             return html, gr.Timer(FAST_TICK_S), ticket.id
 
+        def _spec_for_event(values: dict, make_spec, ticket, sess: SessionState, request):
+            """The job an event's control values ask for; a bad value gives up the event's queue place
+            and shows its message. None = not given (the API's optional parameters): defaults apply."""
+            v = {k: val for k, val in values.items() if k in CONTROL_NAMES and val is not None}
+            v["model"] = _model_for_backend(services, v.get("backend") or "stylegan", v.get("model"))
+            rt.remember(getattr(request, "session_hash", None), sess)
+            try:
+                return make_spec(v, settings.device)
+            except AtelierError as exc:
+                t = sess.tickets.pop(int(ticket), None) if ticket else None
+                if t is not None:
+                    rt.queue.leave(t)
+                sess.tracker.finish(FAILED, {}, message=str(exc))
+                raise gr.Error(str(exc)) from None
+
         def generate(backend=None, model=None, seed=None, sg_mode=None, truncation_psi=None, truncation_cutoff=None,
                      noise_mode=None, class_index=None, sg_batch_size=None, mix_rows=None, mix_cols=None, mix_from=None,
                      mix_to=None, frames_per_seed=None, interp_space=None, animation_format=None, fps=None, prompt=None,
@@ -448,18 +463,7 @@ def build_app(services: Services) -> gr.Blocks:
                      attention=None, compile_mode=None, fp8=None, prune_amount=None, prune_method=None, tensorrt=None,
                      memory_savers=None, ticket=None, sess: SessionState = None, request: gr.Request = None):
             """Generate images with the StyleGAN or diffusion backend; yields progress, ends with the gallery."""
-            # None = not given (the API's optional parameters): job_spec applies the defaults
-            v = {k: val for k, val in locals().items() if k in CONTROL_NAMES and val is not None}
-            v["model"] = _model_for_backend(services, v.get("backend") or "stylegan", v.get("model"))
-            rt.remember(getattr(request, "session_hash", None), sess)
-            try:
-                spec = job_spec(v, settings.device)
-            except AtelierError as exc:
-                t = sess.tickets.pop(int(ticket), None) if ticket else None
-                if t is not None:
-                    rt.queue.leave(t)
-                sess.tracker.finish(FAILED, {}, message=str(exc))
-                raise gr.Error(str(exc)) from None
+            spec = _spec_for_event(locals(), job_spec, ticket, sess, request)
             skip = gr.skip()
             for ev in rt.run(sess, spec, ticket):
                 if not ev.done:
@@ -488,17 +492,7 @@ def build_app(services: Services) -> gr.Blocks:
                     memory_savers=None, ticket=None, sess: SessionState = None, request: gr.Request = None):
             """Run the request with the fp32 reference and with the chosen toggles; yields progress, ends with
             the two images on a slider, their difference map and a table of latency, memory and drift."""
-            v = {k: val for k, val in locals().items() if k in CONTROL_NAMES and val is not None}
-            v["model"] = _model_for_backend(services, v.get("backend") or "stylegan", v.get("model"))
-            rt.remember(getattr(request, "session_hash", None), sess)
-            try:
-                spec = compare_spec(v, settings.device)
-            except AtelierError as exc:
-                t = sess.tickets.pop(int(ticket), None) if ticket else None
-                if t is not None:
-                    rt.queue.leave(t)
-                sess.tracker.finish(FAILED, {}, message=str(exc))
-                raise gr.Error(str(exc)) from None
+            spec = _spec_for_event(locals(), compare_spec, ticket, sess, request)
             skip = gr.skip()
             for ev in rt.run(sess, spec, ticket):
                 if not ev.done:
