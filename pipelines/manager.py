@@ -72,8 +72,11 @@ class ModelManager:
             else:
                 from pipelines import diffusion
 
-                loaded = diffusion.load_diffusion(entry.path or entry.id, device=device, flags=request.flags,
-                                                  cache_dir=self.cache_dir)
+                # With CPU offload the weights stay in RAM and accelerate moves each model to the GPU only
+                # while it runs: loading onto the GPU first would put the whole pipeline there at load time.
+                offload = "cpu-offload" in request.flags.memory and device.type == "cuda"
+                loaded = diffusion.load_diffusion(entry.path or entry.id, device=None if offload else device,
+                                                  flags=request.flags, cache_dir=self.cache_dir)
                 pipe = diffusion.DiffusionPipeline(loaded, request.flags, device, cache_dir=self.cache_dir)
         except AtelierError:
             raise
