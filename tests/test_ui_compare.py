@@ -105,3 +105,28 @@ def test_stop_reaches_the_comparison(manager):
         run_comparison(manager, req, outer)
     assert steps["optimized"] == 1
     assert outer.child().cancelled
+
+
+def test_diffusion_comparison_warms_up_with_two_steps(tmp_path_factory):
+    """A tiny SD pipeline (built by the test): bf16 vs fp32 on the same CPU seed; the warm-up run of a
+    new configuration uses at most 2 denoising steps and the same batch."""
+    from core.types import DiffusionParams
+    from tests.ui_helpers import tiny_sd_folder
+
+    folder = tiny_sd_folder(tmp_path_factory)
+    tmp = tmp_path_factory.mktemp("compare-sd")
+    services = build_services(Settings(extra_models=(str(folder),), models_dirs=(), output_dir=tmp / "out",
+                                       cache_dir=tmp / "cache"))
+    steps_seen = []
+    job = Job(on_progress=lambda ev: steps_seen.append((job.stage_name, ev.total)) if ev.total else None)
+    req = GenerationRequest("diffusion", str(folder), DiffusionParams(prompt="a red fox", seed=3, steps=4, width=64,
+                                                                      height=64, batch_size=2),
+                            OptimizationFlags(precision="bf16"), "cpu")
+    c = run_comparison(services.manager, req, job)
+    assert len(c.reference.images) == len(c.candidate.images) == 2
+    # progress totals are denoising steps + 1 (the VAE decode reports as the last step)
+    assert {t for s, t in steps_seen if s == "warm-up"} == {2 + 1}
+    assert {t for s, t in steps_seen if s != "warm-up"} == {4 + 1}
+    assert 25 < c.drift["psnr_db"] < 90 and c.heat.shape == (64, 64, 3)
+    assert {"denoise", "vae_decode"} <= set(c.candidate.timings_ms)
+    assert "· denoise" in render_comparison(c)
