@@ -913,6 +913,11 @@ def run(opts: BenchOptions, drift_fn: DriftFn | None = None, log: Callable[[str]
     """Run the benchmark; returns the JSON-lines file the rows were appended to."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     say = (lambda s: None) if opts.quiet else log
+    # diffusers and transformers warn on every cast of a freshly built model; on the GPU machine only the last
+    # 12,000 characters of a command's output come back, and those lines would push the progress out of them.
+    # Read at their import, so set before it (children inherit them); a user's own setting wins.
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     device = pick_device(opts.device)
     cases = plan(opts)
     mode = isolation_mode(opts.isolate)
