@@ -207,6 +207,7 @@ class StageClock:
         self.cuda = device.type == "cuda"
         self._start: dict[str, Any] = {}
         self._end: dict[str, Any] = {}
+        self.calls: dict[str, int] = {}        # exits per stage in the last call (UNet calls = loop iterations)
         self._handles = []
         for name, mods in stages.items():
             for m in mods:
@@ -231,11 +232,13 @@ class StageClock:
     def _post(self, name):
         def hook(module, args, output):
             self._end[name] = self._mark()
+            self.calls[name] = self.calls.get(name, 0) + 1
         return hook
 
     def begin(self) -> None:
         self._start.clear()
         self._end.clear()
+        self.calls = {}
 
     def end(self) -> dict[str, float]:
         sync(self.device)

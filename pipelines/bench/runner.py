@@ -499,7 +499,7 @@ class _ProductDiffusion:
         req = GenerationRequest("diffusion", None, params, self.flags, str(self.device))
         self.clock.begin()
         ms, res = wall_ms(lambda: self.product.generate(req, Job()), self.device)
-        return ms, self.clock.end(), _pil_stack(res.images)
+        return ms, {**self.clock.end(), "_calls": dict(self.clock.calls)}, _pil_stack(res.images)
 
 
 class _StockDiffusion:
@@ -520,7 +520,7 @@ class _StockDiffusion:
                                             width=self.wl.resolution, num_images_per_prompt=self.batch,
                                             generator=gens[0] if self.batch == 1 else gens, output_type="pil"),
                           self.device)
-        return ms, self.clock.end(), _pil_stack(out.images)
+        return ms, {**self.clock.end(), "_calls": dict(self.clock.calls)}, _pil_stack(out.images)
 
 
 def _diffusion_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int, row: dict,
@@ -581,10 +581,14 @@ def _diffusion_measure(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: 
             stage_runs.append(stages)
         row.update(_peak_fields(device))
     row.update(_timing_fields(walls, batch))
-    names = sorted({k for s in stage_runs for k in s})
+    names = sorted({k for s in stage_runs for k in s if not k.startswith("_")})
     row["stages_ms"] = {k: median([s[k] for s in stage_runs if k in s]) for k in names}
     denoise = row["stages_ms"].get("denoise")
-    row["it_per_s"] = steps / (denoise / 1e3) if denoise else None
+    # it/s as diffusers' progress bar counts it: loop iterations, one UNet call each (classifier-free guidance
+    # batches both halves into one call). PNDM runs steps + 1 of them (its first step is repeated).
+    unet_calls = median([s["_calls"].get("denoise", 0) for s in stage_runs if "_calls" in s]) or steps
+    row["denoise_calls"] = int(unet_calls)
+    row["it_per_s"] = unet_calls / (denoise / 1e3) if denoise else None
     row["warmup_calls"], row["repeats"], row["steps"] = warmup, repeats, steps
     row.update(_compile_fields(cfg, row))
     if _wants_profile(opts, cfg):
