@@ -339,8 +339,13 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                     row += [_ms(r.get("e2e_ms_per_image"))]
                 warm = (num(r.get("prepare_s")) or 0) + (num(r.get("first_call_s")) or 0) \
                     if r.get("first_call_s") is not None else None
-                row += [_f(r.get("images_per_s")), _gib(r.get("peak_vram_bytes")), _f(warm),
-                        psnr if b == 1 else "–", _f(d.get("ssim"), 4) if b == 1 else "–", _pct(r.get("floor_fraction")),
+                vram = _gib(r.get("peak_vram_bytes"))
+                alloc, reserved = num(r.get("peak_vram_bytes")), num(r.get("peak_reserved_bytes"))
+                if alloc and reserved and reserved > 1.1 * alloc:     # CUDA graphs keep their pools outside "allocated"
+                    vram += f" (res. {_gib(reserved)})"
+                floor = r.get("floor_fraction_fp8") if r.get("floor_fraction_fp8") is not None else r.get("floor_fraction")
+                row += [_f(r.get("images_per_s")), vram, _f(warm),
+                        psnr if b == 1 else "–", _f(d.get("ssim"), 4) if b == 1 else "–", _pct(floor),
                         _f(r.get("spread_pct"), 0)]
                 rows.append(row)
             head = ["config", "ms/image", "vs baseline"]
@@ -390,8 +395,11 @@ def _column_notes() -> list[str]:
             "**vs baseline** baseline ms/image over this row's; **it/s** denoising steps per second of the loop; "
             "**end-to-end** StyleGAN through `generate` (seeds to PIL images); **warm-up** build, optimization "
             "toggles and first call, compilation included (split as `prepare_s` / `first_call_s` in the JSON); "
-            "**peak VRAM** the allocator's peak during the timed calls (process memory on a CPU); **PSNR/SSIM** the batch-1 image against the fp32 row's, same seed, 8-bit; "
-            "**of floor** (FLOPs / measured bf16 rate) / ms per image; **spread** (max − min) / median of the "
+            "**peak VRAM** the allocator's peak during the timed calls (process memory on a CPU), with the reserved "
+            "peak in brackets where it is over 10 % larger (CUDA graphs' memory pools); **PSNR/SSIM** the batch-1 image "
+            "against the fp32 row's, same seed, 8-bit; "
+            "**of floor** (FLOPs / measured bf16 rate) / ms per image, for FP8 rows against a mixed floor (matrix "
+            "products at the measured FP8 rate, the rest at bf16); **spread** (max − min) / median of the "
             "timed calls: differences smaller than this are noise.", ""]
 
 

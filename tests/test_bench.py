@@ -271,3 +271,21 @@ def test_real_weights_of_a_conditional_network(testdata, tmp_path):
     assert res[("fp32", 1)]["e2e_ms_per_image"] > 0          # through generate(): class 0 of the 4 classes
     wl = rows_of(tmp_path, "workload")[0]
     assert wl["weights"] == str(pkl) and wl["params"]["generator"] > 10_000
+
+
+def test_report_shows_the_reserved_peak_of_cuda_graph_rows_and_the_fp8_floor():
+    from telemetry.bench_report import render_markdown
+
+    rows = [
+        {"type": "workload", "workload": "w", "kind": "stylegan", "targets": []},
+        {"type": "result", "workload": "w", "config": "compile-cg", "batch": 1, "status": "ok", "ms_per_image": 2.0,
+         "peak_vram_bytes": 1 << 30, "peak_reserved_bytes": 3 << 30, "floor_fraction": 0.25},
+        {"type": "result", "workload": "w", "config": "bf16", "batch": 1, "status": "ok", "ms_per_image": 3.0,
+         "peak_vram_bytes": 1 << 30, "peak_reserved_bytes": (1 << 30) + (1 << 20), "floor_fraction": 0.2},
+        {"type": "result", "workload": "w", "config": "fp8", "batch": 1, "status": "ok", "ms_per_image": 2.5,
+         "peak_vram_bytes": 1 << 30, "floor_fraction": 0.3, "floor_fraction_fp8": 0.12},
+    ]
+    text = render_markdown(merge(rows))
+    line = {c: next(x for x in text.splitlines() if x.startswith(f"| `{c}`")) for c in ("compile-cg", "bf16", "fp8")}
+    assert "(res. 3" in line["compile-cg"] and "res." not in line["bf16"]      # only where the pools are sizeable
+    assert "12" in line["fp8"] and "30.0%" not in line["fp8"]                  # the FP8 row's mixed floor
