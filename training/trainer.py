@@ -662,7 +662,7 @@ class Trainer:
         return (f"G {param_count(self.G) / 1e6:.2f} M params, D {param_count(self.D) / 1e6:.2f} M; checkpoint "
                 + ", ".join(f"{k} {v:.1f}" for k, v in mib.items()) + f" MiB (total {sum(mib.values()):.1f} MiB); "
                 f"{self.data_info.count} images {cfg.resolution}px ({self.data_info.decoder}, data on "
-                f"{self.loader.where}); batch {cfg.batch} ({self.batch_gpu}/GPU x {self.dist.world_size}), "
+                f"{self.device.type if self.loader.where == 'gpu' else self.loader.where}); batch {cfg.batch} ({self.batch_gpu}/GPU x {self.dist.world_size}), "
                 f"lr G {cfg.lr_g:g} D {cfg.lr_d:g}, loss {cfg.loss}, D:G {self.runtime['d_steps']}:1, "
                 f"R1 gamma {cfg.r1_gamma_value():g}, EMA {cfg.ema_kimg_value():g} kimg, precision {cfg.precision}, "
                 f"channels_last {self.channels_last}, compile {cfg.compile}, aug {cfg.aug}/{cfg.aug_pipe}")
