@@ -85,7 +85,7 @@ def runtime(flags: OptimizationFlags, device: torch.device):
     p = flags.precision
     stack = contextlib.ExitStack()
     if device.type == "cuda" and p == "tf32":
-        stack.enter_context(_tf32())
+        stack.enter_context(tf32_switches(matmul=True, cudnn=True))
     elif p in _AMP and not (device.type == "cpu" and p == "fp16"):
         if not (device.type == "cuda" and p == "bf16" and not torch.cuda.is_bf16_supported()):
             # This is the AMP where weights stay fp32. Where they were cast ("weights-" modes) it adds nothing and
@@ -95,10 +95,11 @@ def runtime(flags: OptimizationFlags, device: torch.device):
 
 
 @contextlib.contextmanager
-def _tf32():
+def tf32_switches(matmul: bool, cudnn: bool):
+    """torch's two TF32 switches set for the block and restored after it."""
     old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = matmul
+    torch.backends.cudnn.allow_tf32 = cudnn
     try:
         yield
     finally:

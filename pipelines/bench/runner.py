@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import optim
+from optim.precision import tf32_switches
 from core.device import pick_device
 from core.errors import AtelierError, InputError, OptionalDependencyError
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags, StyleGANParams
@@ -183,30 +184,16 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-@contextlib.contextmanager
 def default_numerics():
     """torch's own defaults (cuDNN convolutions may use TF32, matmuls may not): what a user who never
     touches these switches runs, so the baseline runs under them rather than under the reference's."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    return tf32_switches(matmul=False, cudnn=True)
 
 
-@contextlib.contextmanager
 def reference_numerics():
     """fp32 means fp32 in this benchmark: TF32 off for matmuls and convolutions (torch turns it on for cuDNN
     convolutions by default). The tf32 configuration turns it back on through its own runtime context."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    return tf32_switches(matmul=False, cudnn=False)
 
 
 # Errors after which the CUDA context of this process is unusable: every later call fails the same way.
