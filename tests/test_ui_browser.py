@@ -161,6 +161,7 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     size = page.locator("#size-select input")
     size.fill("64x64")
     size.press("Enter")
+    size.blur()                            # a custom value commits on Enter or blur; both, on a busy box
     page.click("#seed-dice")
     page.wait_for_function("/^\\d+$/.test(document.querySelector('#seed-input textarea').value)")
     page.click("#generate-btn")
