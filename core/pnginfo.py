@@ -20,16 +20,29 @@ CHUNK = "atelier"
 FORMAT_VERSION = 1
 
 
-def save_png(image: Image.Image, path: str | Path, params: dict[str, Any]) -> Path:
-    """Write `image` with `params` embedded; returns the path written."""
-    path = Path(path)
+def _png_info(params: dict[str, Any], a1111_text: str | None = None) -> PngImagePlugin.PngInfo:
     info = PngImagePlugin.PngInfo()
     payload = {"format": f"atelier/{FORMAT_VERSION}", **params}
     info.add_text(CHUNK, json.dumps(payload, sort_keys=True, default=_jsonable))
-    info.add_text("parameters", to_a1111_text(params))
+    info.add_text("parameters", a1111_text if a1111_text is not None else to_a1111_text(params))
+    return info
+
+
+def save_png(image: Image.Image, path: str | Path, params: dict[str, Any]) -> Path:
+    """Write `image` with `params` embedded; returns the path written."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="PNG", pnginfo=info)
+    image.save(path, format="PNG", pnginfo=_png_info(params))
     return path
+
+
+def png_bytes(image: Image.Image, params: dict[str, Any], a1111_text: str | None = None) -> bytes:
+    """The PNG file `save_png` would write, in memory (`a1111_text` replaces the derived `parameters` text)."""
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=_png_info(params, a1111_text))
+    return buf.getvalue()
 
 
 def _jsonable(o):

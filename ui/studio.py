@@ -727,6 +727,9 @@ def serve(services: Services, *, host: str | None = None, port: int | None = Non
                 show_error=True, allowed_paths=[str(Path(s.output_dir).resolve())], max_file_size=MAX_UPLOAD,
                 theme=make_theme(), css=load_css(), ssr_mode=False, footer_links=["api", "gradio"])
     mount_metrics(demo)
+    from ui.a1111_api import mount_a1111_api
+
+    mount_a1111_api(demo)
     return demo
 
 

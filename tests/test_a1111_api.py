@@ -1,0 +1,138 @@
+"""The A1111-compatible /sdapi/v1 routes, over real HTTP against the studio started in-process with a
+tiny Stable Diffusion pipeline built by the test (nothing downloaded)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from core.pnginfo import read_png_params
+from tests.ui_helpers import running_studio, tiny_sd_folder
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory):
+    return tiny_sd_folder(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory, sd, testdata):
+    with running_studio(tmp_path_factory.mktemp("a1111"), models=(sd,)) as demo:
+        yield demo
+
+
+def url(studio, path: str) -> str:
+    return studio.local_url.rstrip("/") + "/sdapi/v1" + path
+
+
+def _decode(b64: str) -> Image.Image:
+    im = Image.open(io.BytesIO(base64.b64decode(b64)))
+    im.load()
+    return im
+
+
+BODY = {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 42, "steps": 3, "cfg_scale": 5,
+        "width": 64, "height": 64, "sampler_name": "DPM++ 2M", "scheduler": "Karras", "batch_size": 2}
+
+
+def test_txt2img_answers_in_a1111_shape(studio, sd):
+    r = httpx.post(url(studio, "/txt2img"), json={**BODY, "n_iter": 2,
+                                                  "override_settings": {"sd_model_checkpoint": str(sd)}}, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    info = json.loads(out["info"])
+    assert len(out["images"]) == 4 and info["all_seeds"] == [42, 43, 44, 45]      # A1111: seed + index
+    assert out["parameters"]["prompt"] == "a red fox" and info["sampler_name"] == "DPM++ 2M Karras"
+    first = _decode(out["images"][0])
+    assert first.size == (64, 64) and np.asarray(first).std() > 0
+    text = first.info["parameters"]
+    assert text.startswith("a red fox\nNegative prompt: blurry\nSteps: 3, Sampler: DPM++ 2M Karras, CFG scale: 5")
+    assert "Seed: 42" in text and info["infotexts"][0] == text
+    ours = read_png_params(first)                                  # Atelier's own chunk rides along
+    assert ours["seed"] == 42 and ours["scheduler"] == "dpm++2m-karras"
+    # the same seed through the API and through the pipeline directly: the same pixels
+    again = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1}, timeout=300).json()
+    assert np.array_equal(np.asarray(_decode(again["images"][0])), np.asarray(first))
+
+
+def test_img2img_and_png_info(studio):
+    init = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    init.save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    r = httpx.post(url(studio, "/img2img"), json={**BODY, "batch_size": 1, "init_images": [b64],
+                                                  "denoising_strength": 0.5}, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert json.loads(out["info"])["denoising_strength"] == 0.5 and "init_images" not in out["parameters"]
+    assert "Denoising strength: 0.5" in _decode(out["images"][0]).info["parameters"]
+    pi = httpx.post(url(studio, "/png-info"), json={"image": out["images"][0]}, timeout=60).json()
+    assert pi["info"].startswith("a red fox") and pi["parameters"]["strength"] == 0.5
+
+
+def test_lists_and_options(studio, sd):
+    models = httpx.get(url(studio, "/sd-models")).json()
+    assert any(m["filename"] == str(sd) for m in models)
+    names = [s["name"] for s in httpx.get(url(studio, "/samplers")).json()]
+    assert {"Euler a", "DPM++ 2M Karras", "DDIM"} <= set(names)
+    assert {s["name"] for s in httpx.get(url(studio, "/schedulers")).json()} == {"automatic", "karras"}
+    assert httpx.get(url(studio, "/progress")).json()["state"]["job_count"] == 0
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({**BODY, "enable_hr": True}, 422, "hires fix"),
+    ({**BODY, "sampler_name": "Foo 9000"}, 422, "Foo 9000"),
+    ({**BODY, "batch_size": 9, "n_iter": 2}, 422, "at most 16"),
+    ({**BODY, "steps": "many"}, 422, "steps must be a number"),
+    ({**BODY, "override_settings": {"sd_model_checkpoint": "/nowhere/model.safetensors"}}, 404, "/nowhere"),
+])
+def test_bad_requests_get_clear_errors(studio, body, status, needle):
+    r = httpx.post(url(studio, "/txt2img"), json=body, timeout=120)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["detail"] and r.json()["error"]
+
+
+def test_img2img_without_an_image_and_a_broken_body(studio):
+    r = httpx.post(url(studio, "/img2img"), json=BODY, timeout=60)
+    assert r.status_code == 422 and "init_images" in r.json()["detail"]
+    r = httpx.post(url(studio, "/txt2img"), content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not JSON" in r.json()["detail"]
+
+
+def test_interrupt_stops_a_long_job_and_progress_shows_it(studio):
+    box = {}
+
+    def call():
+        box["r"] = httpx.post(url(studio, "/txt2img"), json={**BODY, "steps": 150, "batch_size": 1}, timeout=300)
+
+    t = threading.Thread(target=call)
+    t.start()
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        p = httpx.get(url(studio, "/progress")).json()
+        if p["state"]["sampling_step"] >= 2:
+            break
+        time.sleep(0.05)
+    assert p["state"]["sampling_steps"] >= 150 and 0 < p["progress"] < 1
+    assert httpx.post(url(studio, "/interrupt")).status_code == 200
+    t.join(60)
+    info = json.loads(box["r"].json()["info"])
+    assert box["r"].status_code == 200 and info["interrupted"] is True
+    # the next job runs normally
+    r = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1}, timeout=300)
+    assert r.status_code == 200 and len(r.json()["images"]) == 1
+
+
+def test_auth_is_the_studios(tmp_path, sd):
+    with running_studio(tmp_path, models=(sd,), auth=("ana", "s3cret")) as demo:
+        u = demo.local_url.rstrip("/") + "/sdapi/v1/samplers"
+        assert httpx.get(u).status_code == 401
+        assert httpx.get(u, auth=("ana", "wrong")).status_code == 401
+        assert httpx.get(u, auth=("ana", "s3cret")).status_code == 200
