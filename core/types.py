@@ -54,6 +54,13 @@ class OptimizationFlags:
         d["memory"] = list(self.memory)
         return d
 
+    def requested(self) -> set[str]:
+        """The toggles these flags turn on (report names: precision, channels_last, attention, ...)."""
+        on = {"precision": self.precision != "fp32", "channels_last": self.channels_last,
+              "attention": self.attention != "sdpa", "compile": self.compile != "off", "fp8": self.fp8,
+              "prune": self.prune_amount > 0, "tensorrt": self.tensorrt, "memory": bool(self.memory)}
+        return {name for name, v in on.items() if v}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "OptimizationFlags":
         if not d:

@@ -64,7 +64,7 @@ class Comparison:
         """One line for the progress box."""
         d = self.drift
         psnr = "identical" if d["psnr_db"] == float("inf") else f"PSNR {d['psnr_db']:.1f} dB"
-        return (f"Compared on {self.device}: {_speed_words(self.speedup)} than the fp32 reference "
+        return (f"Compared on {self.device}: {speed_words(self.speedup)} than the fp32 reference "
                 f"({self.candidate.latency_ms:.0f} vs {self.reference.latency_ms:.0f} ms), {psnr}, "
                 f"SSIM {d['ssim']:.4f}")
 
@@ -146,7 +146,7 @@ def run_comparison(manager, request: GenerationRequest, job: Job) -> Comparison:
     return Comparison(ref, cand, drift, heat, gain, device, notes)
 
 
-def _speed_words(ratio: float) -> str:
+def speed_words(ratio: float) -> str:
     if not np.isfinite(ratio):
         return "no timing"
     if ratio >= 1.005:
@@ -171,5 +171,5 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
             "difference_gain": round(c.gain, 2), "notes": c.notes, "summary": c.summary()}
 
 
-__all__ = ["Comparison", "Side", "MAX_COMPARE_IMAGES", "comparison_json", "comparison_request", "reference_flags",
+__all__ = ["Comparison", "Side", "MAX_COMPARE_IMAGES", "speed_words", "comparison_json", "comparison_request", "reference_flags",
            "run_comparison"]

@@ -58,3 +58,13 @@ def test_job_stage_timing_and_cancel():
     with pytest.raises(Cancelled):
         job.step(2, 3)
     assert len(job.trace) == 2
+
+
+def test_flags_name_the_toggles_they_turn_on():
+    from core.types import OptimizationFlags
+
+    assert OptimizationFlags().requested() == set()
+    assert OptimizationFlags(strict=True).requested() == set()
+    f = OptimizationFlags(precision="bf16", channels_last=True, compile="reduce-overhead", fp8=True, prune_amount=0.2,
+                          tensorrt=True, attention="math", memory=("vae-tiling",))
+    assert f.requested() == {"precision", "channels_last", "compile", "fp8", "prune", "tensorrt", "attention", "memory"}

@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import html
 
-import numpy as np
-
-from core.types import OptimizationFlags
 from evaluation.compare import (MAX_COMPARE_IMAGES, Comparison, Side, comparison_request, reference_flags,  # noqa: F401
                                 run_comparison)
-from evaluation.compare import _speed_words, UNTIMED_STAGES
+from evaluation.compare import UNTIMED_STAGES, speed_words
 
 
 def _mib(n: int) -> str:
@@ -23,16 +20,9 @@ def _applied(side: Side) -> tuple[list[str], list[str]]:
         if rep.get("applied"):
             detail = rep.get("mode") or rep.get("dtype") or rep.get("method") or rep.get("backend") or ""
             on.append(f"{name} {detail}".strip())
-        elif rep.get("reason") and name in _asked(side.flags):
+        elif rep.get("reason") and name in side.flags.requested():
             off.append(f"{name}: {rep['reason']}")
     return on, off
-
-
-def _asked(f: OptimizationFlags) -> set[str]:
-    asked = {"precision": f.precision != "fp32", "channels_last": f.channels_last, "attention": f.attention != "sdpa",
-             "compile": f.compile != "off", "fp8": f.fp8, "prune": f.prune_amount > 0, "tensorrt": f.tensorrt,
-             "memory": bool(f.memory)}
-    return {k for k, v in asked.items() if v}
 
 
 def render_comparison(c: Comparison) -> str:
@@ -42,7 +32,7 @@ def render_comparison(c: Comparison) -> str:
     n = len(ref.images)
     d = c.drift
     rows: list[tuple[str, str, str, str]] = []
-    rows.append(("generation", f"{ref.latency_ms:,.1f} ms", f"{cand.latency_ms:,.1f} ms", _speed_words(c.speedup)))
+    rows.append(("generation", f"{ref.latency_ms:,.1f} ms", f"{cand.latency_ms:,.1f} ms", speed_words(c.speedup)))
     if n > 1:
         rows.append(("per image", f"{ref.latency_ms / n:,.2f} ms", f"{cand.latency_ms / n:,.2f} ms", ""))
     stages = [k for k in dict.fromkeys(list(ref.timings_ms) + list(cand.timings_ms)) if k not in UNTIMED_STAGES]

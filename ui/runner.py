@@ -248,8 +248,6 @@ def skipped_toggles(flags, report: dict | None) -> list[str]:
     """'fp8 not applied: <reason>' for every toggle the request asked for that did not run."""
     if not report:
         return []
-    asked = {"precision": flags.precision != "fp32", "channels_last": flags.channels_last,
-             "attention": flags.attention != "sdpa", "compile": flags.compile != "off", "fp8": flags.fp8,
-             "prune": flags.prune_amount > 0, "tensorrt": flags.tensorrt, "memory": bool(flags.memory)}
+    asked = flags.requested()
     return [f"{name} not applied: {rep.get('reason', 'no reason given')}" for name, rep in report.items()
-            if asked.get(name) and isinstance(rep, dict) and not rep.get("applied", True)]
+            if name in asked and isinstance(rep, dict) and not rep.get("applied", True)]
