@@ -62,6 +62,16 @@ def test_txt2img_answers_in_a1111_shape(studio, sd):
     assert np.array_equal(np.asarray(_decode(again["images"][0])), np.asarray(first))
 
 
+def test_save_images_keeps_files_and_send_images_false_sends_none(studio):
+    r = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1, "save_images": True, "send_images": False},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert r.json()["images"] == [] and len(info["atelier_files"]) == 1
+    saved = Image.open(info["atelier_files"][0])
+    assert saved.info["parameters"] == info["infotexts"][0] and read_png_params(saved)["seed"] == 42
+
+
 def test_img2img_and_png_info(studio):
     init = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
     buf = io.BytesIO()

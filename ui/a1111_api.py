@@ -28,6 +28,7 @@ import json
 import random
 import secrets
 import threading
+import time
 from typing import Any
 
 from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, ResourceError
@@ -212,7 +213,17 @@ class A1111Api:
         label = SCHEDULERS[canon].label if canon in SCHEDULERS else "Automatic"
         model_name = Path(str((metas[0].get("model") if metas else request.model) or "")).stem
         texts = [infotext(m, label, model_name) for m in metas]
-        encoded = [base64.b64encode(png_bytes(im, m, t)).decode() for im, m, t in zip(images, metas, texts)]
+        pngs = [png_bytes(im, m, t) for im, m, t in zip(images, metas, texts)]
+        saved = []
+        if body.get("save_images"):                  # A1111: also keep them in the server's output folder
+            folder = Path(settings.output_dir) / "api" / time.strftime("%Y-%m-%d")
+            folder.mkdir(parents=True, exist_ok=True)
+            for data, m in zip(pngs, metas):
+                path = folder / f"{time.strftime('%H%M%S')}-{secrets.token_hex(3)}-seed{m.get('seed', 0)}.png"
+                path.write_bytes(data)
+                saved.append(str(path))
+        send = body.get("send_images", True)
+        encoded = [base64.b64encode(d).decode() for d in pngs] if send else []
         seeds = [int(m.get("seed", 0)) for m in metas]
         info = {"prompt": p.prompt, "all_prompts": [p.prompt] * len(images), "negative_prompt": p.negative_prompt,
                 "all_negative_prompts": [p.negative_prompt] * len(images), "seed": seeds[0] if seeds else p.seed,
@@ -220,7 +231,7 @@ class A1111Api:
                 "cfg_scale": p.guidance, "sampler_name": label, "width": p.width, "height": p.height,
                 "batch_size": p.batch_size, "sd_model_name": model_name, "infotexts": texts,
                 "interrupted": len(images) < p.batch_size * n_iter, "atelier_notes": notes,
-                "atelier_timings_ms": {k: round(v, 2) for k, v in timings.items()}}
+                "atelier_timings_ms": {k: round(v, 2) for k, v in timings.items()}, "atelier_files": saved}
         if img2img:
             info["denoising_strength"] = p.strength
         echo = {k: v for k, v in body.items() if k != "init_images"}
