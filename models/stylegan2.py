@@ -318,6 +318,7 @@ class SynthesisBlock(torch.nn.Module):
         use_fp16: bool = False,
         fp16_channels_last: bool = False,
         fused_modconv_default: bool | str = True,  # 'inference_only' = fused in eval, not in training
+        mid_channels: int | None = None,   # conv1's input (conv0's output / the constant); None = out_channels
         **layer_kwargs,                    # for SynthesisLayer: kernel_size, use_noise, activation
     ):
         if architecture not in ("orig", "skip", "resnet"):
@@ -336,14 +337,15 @@ class SynthesisBlock(torch.nn.Module):
         self.num_conv = 0
         self.num_torgb = 0
 
+        mid = out_channels if mid_channels is None else int(mid_channels)
         if in_channels == 0:
-            self.const = torch.nn.Parameter(torch.randn([out_channels, resolution, resolution]))
+            self.const = torch.nn.Parameter(torch.randn([mid, resolution, resolution]))
         if in_channels != 0:
-            self.conv0 = SynthesisLayer(in_channels, out_channels, w_dim=w_dim, resolution=resolution, up=2,
+            self.conv0 = SynthesisLayer(in_channels, mid, w_dim=w_dim, resolution=resolution, up=2,
                                         resample_filter=resample_filter, conv_clamp=conv_clamp,
                                         channels_last=self.channels_last, **layer_kwargs)
             self.num_conv += 1
-        self.conv1 = SynthesisLayer(out_channels, out_channels, w_dim=w_dim, resolution=resolution,
+        self.conv1 = SynthesisLayer(mid, out_channels, w_dim=w_dim, resolution=resolution,
                                     conv_clamp=conv_clamp, channels_last=self.channels_last, **layer_kwargs)
         self.num_conv += 1
         if is_last or architecture == "skip":
@@ -413,6 +415,8 @@ class SynthesisNetwork(torch.nn.Module):
         channel_base: int = 32768,         # channels at resolution r = min(channel_base // r, channel_max)
         channel_max: int = 512,
         num_fp16_res: int = 4,             # fp16 (on CUDA) for the N highest resolutions
+        layer_channels: dict | None = None,  # per-layer output channels after structured pruning, e.g.
+                                           # {"b8.conv0": 115, "b8.conv1": 115}; None = channel_base/max
         **block_kwargs,                    # for SynthesisBlock (architecture, conv_clamp, ...)
     ):
         if img_resolution < 4 or img_resolution & (img_resolution - 1) != 0:
@@ -427,13 +431,23 @@ class SynthesisNetwork(torch.nn.Module):
         channels = {res: min(channel_base // res, channel_max) for res in self.block_resolutions}
         fp16_resolution = max(2 ** (self.img_resolution_log2 + 1 - num_fp16_res), 8)
 
+        overrides = {str(k): int(v) for k, v in (layer_channels or {}).items()}
+        known = {f"b{r}.conv1" for r in self.block_resolutions} | {f"b{r}.conv0" for r in self.block_resolutions[1:]}
+        if set(overrides) - known or any(v < 1 for v in overrides.values()):
+            raise InputError(f"layer_channels names unknown layers or non-positive counts: {overrides}; "
+                             f"known layers are b<res>.conv0 / b<res>.conv1")
+
         self.num_ws = 0
+        prev_out = 0
         for res in self.block_resolutions:
-            in_channels = channels[res // 2] if res > 4 else 0
+            out_channels = overrides.get(f"b{res}.conv1", channels[res])
+            # conv1 reads conv0's output (the learned constant in the first block, which is never pruned)
+            mid_channels = overrides.get(f"b{res}.conv0", channels[res]) if res > 4 else channels[res]
             is_last = res == self.img_resolution
-            block = SynthesisBlock(in_channels, channels[res], w_dim=w_dim, resolution=res,
-                                   img_channels=img_channels, is_last=is_last,
+            block = SynthesisBlock(prev_out, out_channels, w_dim=w_dim, resolution=res,
+                                   img_channels=img_channels, is_last=is_last, mid_channels=mid_channels,
                                    use_fp16=res >= fp16_resolution, **block_kwargs)
+            prev_out = out_channels
             # Consecutive blocks share a w: a block's ToRGB uses the same w as the next block's conv0.
             self.num_ws += block.num_conv
             if is_last:

@@ -163,15 +163,25 @@ def _cut_producer(layer, idx) -> None:
 
 def _cut_consumer(layer, idx) -> None:
     """Input channels of a conv layer, and the matching style rows of its affine layer."""
+    old_gain = getattr(layer, "weight_gain", None)
     _slice_param(layer, "weight", idx, 1)
     layer.in_channels = int(idx.numel())
+    if isinstance(old_gain, float) and layer.weight.ndim == 4:
+        # StyleGAN2 ToRGB / plain convs scale their weights by 1/sqrt(fan-in) at run time. Give the layer the
+        # gain its new fan-in implies and fold the difference into the weights: the output is unchanged, and
+        # the network equals one built from scratch with these channel counts (a saved pruned model loads
+        # into exactly this).
+        k = layer.weight.shape[-1]
+        new_gain = 1 / math.sqrt(layer.in_channels * k * k)
+        with torch.no_grad():
+            layer.weight.mul_(old_gain / new_gain)
+        layer.weight_gain = new_gain
     aff = getattr(layer, "affine", None)
     if aff is not None:
         _slice_param(aff, "weight", idx, 0)
         if aff.bias is not None:
             _slice_param(aff, "bias", idx, 0)
         aff.out_features = int(idx.numel())
-    # Keep each layer's equalized-lr gain as it was: it was fixed from the trained fan-in.
 
 
 def _l1_rows(w: torch.Tensor) -> torch.Tensor:

@@ -46,3 +46,39 @@ def quiet_third_party_output() -> None:
             mod.set_verbosity_error()
         except Exception:  # the library is optional (e.g. StyleGAN-only installs)
             logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def compress_stylegan(src: str, dst: str, amount: float, steps: int = 1000, batch: int = 8, lr: float = 1e-3,
+                      device: str | None = None, fp16: bool = False, on_step=None) -> dict:
+    """Structured pruning + distillation of a StyleGAN2 generator into a smaller model file.
+
+    The pruned channel counts go into the saved config (`layer_channels`), so the result loads like
+    any Atelier model; the report has the parameters and the probe PSNR before and after distilling."""
+    import copy
+    from pathlib import Path
+
+    from core.device import pick_device
+    from core.errors import InputError
+    from models.stylegan import load_generator, save_generator
+    from optim.distill import distill_synthesis
+    from optim.prune import structured_stylegan
+
+    if not (0.0 < float(amount) < 1.0):
+        raise InputError(f"--amount is the fraction of channels to remove, in (0, 1); got {amount}")
+    loaded = load_generator(src, device="cpu")
+    if loaded.arch != "stylegan2":
+        raise InputError(f"compress works on StyleGAN2 generators; {Path(src).name} is {loaded.arch}")
+    dev = pick_device(device)
+    teacher = loaded.G.float().eval().requires_grad_(False)
+    student = copy.deepcopy(teacher)
+    before = sum(p.numel() for p in teacher.synthesis.parameters())
+    pruned = structured_stylegan(student, float(amount))
+    student.init_kwargs = {**teacher.init_kwargs, "layer_channels": pruned["channels_after"]}
+    report = distill_synthesis(student, teacher, steps, batch=batch, lr=lr, device=dev, on_step=on_step)
+    after = sum(p.numel() for p in student.synthesis.parameters())
+    meta = dict(loaded.config.get("metadata") or {})
+    meta["compressed"] = {"source": str(src), "amount": float(amount), "synthesis_params_before": before,
+                          "synthesis_params_after": after, **report}
+    out = save_generator(student.cpu(), dst, "stylegan2", metadata=meta, dtype="fp16" if fp16 else None)
+    return {"out": str(out), "amount": float(amount), "synthesis_params_before": before, "synthesis_params_after": after,
+            "channels_after": pruned["channels_after"], "device": str(dev), **report}
