@@ -37,7 +37,7 @@ import torch
 
 import optim
 from optim.precision import tf32_switches
-from core.device import pick_device
+from core.device import peak_memory_bytes, pick_device, reset_peak_memory
 from core.errors import AtelierError, InputError, OptionalDependencyError
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags, StyleGANParams
 from pipelines.base import to_uint8_images
@@ -230,24 +230,11 @@ def _cleanup(device: torch.device) -> str | None:
     return None
 
 
-def _peak_reset(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    from core.device import peak_memory_bytes
-
-    return peak_memory_bytes(device)
-
-
 def _peak_fields(device: torch.device) -> dict:
     """Peak allocated bytes since the last reset and, on a GPU, peak reserved bytes. Under CUDA graphs the
     replays allocate nothing, so the allocated peak leaves out their activations; the graphs' private pool
     stays reserved, which is why the reserved peak is recorded too."""
-    out = {"peak_vram_bytes": _peak_bytes(device)}
+    out = {"peak_vram_bytes": peak_memory_bytes(device)}
     if device.type == "cuda":
         out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
     return out
@@ -425,7 +412,7 @@ def _stylegan_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int,
         for i in range(1, warmup):
             call(bank[i % len(bank)])
         sync(device)
-        _peak_reset(device)
+        reset_peak_memory(device)
         order = [bank[(repeats - 1 - i) % len(bank)] for i in range(repeats)]   # the last call sees bank[0]
         times, out = device_times_ms(call, order, device)
         row.update(_peak_fields(device))
@@ -559,7 +546,7 @@ def _diffusion_measure(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: 
         for i in range(1, warmup):
             runner.call(opts.seed + 1000 + i)
         sync(device)
-        _peak_reset(device)
+        reset_peak_memory(device)
         walls, stage_runs, images = [], [], None
         for i in range(repeats):
             seed = opts.seed if i == repeats - 1 else opts.seed + 1 + i     # the last call makes the drift image
