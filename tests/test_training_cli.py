@@ -7,21 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_training_runs import write_tiny_dataset
 from training import cli
 from training.config import build_config, finalize
 from training.trainer import Trainer, checkpoint_bytes, build_networks
 
 
 def _data(tmp_path, n=24, res=16):
-    rng = np.random.default_rng(1)
-    x = np.full((n, res, res, 3), 255, np.uint8)
-    for i in range(n):
-        s = rng.integers(3, res // 2)
-        y0, x0 = rng.integers(0, res - s, size=2)
-        x[i, y0:y0 + s, x0:x0 + s] = rng.integers(0, 255, size=3)
-    p = tmp_path / "d.npy"
-    np.save(p, x)
-    return p
+    return write_tiny_dataset(tmp_path, n, res)
 
 
 def test_cli_wgan_gp_with_3_to_1_ratio(tmp_path, capsys):
