@@ -131,6 +131,7 @@ def test_interrupt_stops_a_long_job_and_progress_shows_it(studio):
             break
         time.sleep(0.05)
     assert p["state"]["sampling_steps"] >= 150 and 0 < p["progress"] < 1
+    assert p["eta_relative"] > 0                                # seconds left, from the recent step times
     assert httpx.post(url(studio, "/interrupt")).status_code == 200
     t.join(60)
     info = json.loads(box["r"].json()["info"])

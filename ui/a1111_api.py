@@ -247,7 +247,13 @@ class A1111Api:
         frac = 0.0
         if job is not None and pr["total"]:
             frac = (pr["job_no"] + min(pr["step"], pr["total"]) / pr["total"]) / max(1, pr["job_count"])
-        return {"progress": round(frac, 4), "eta_relative": 0.0,
+        eta = 0.0
+        if job is not None and pr["total"]:
+            times = [e.step_ms for e in job.trace[-8:] if e.step_ms]
+            if times:
+                left = (pr["total"] - min(pr["step"], pr["total"])) + pr["total"] * max(0, pr["job_count"] - pr["job_no"] - 1)
+                eta = left * sorted(times)[len(times) // 2] / 1e3
+        return {"progress": round(frac, 4), "eta_relative": round(eta, 2),
                 "state": {"job_count": pr["job_count"] if job else 0, "job_no": pr["job_no"] if job else 0,
                           "sampling_step": pr["step"] if job else 0, "sampling_steps": pr["total"] if job else 0,
                           "interrupted": bool(job and job.cancelled), "skipped": False},
