@@ -18,6 +18,7 @@ from torch.profiler import profile
 
 from core.errors import InputError
 from models import ops
+from tests.test_stylegan_loader import reference_inputs
 from models.nvlabs_pickle import read_network_pickle
 from models.stylegan2 import Discriminator, Generator, discriminator_from_record, generator_from_record
 
@@ -364,17 +365,12 @@ def test_nvlabs_references_with_every_variant(testdata):
         D = discriminator_from_record(net["D"]).eval()
         refs = np.load(testdata / "stylegan" / f"{name}_ref.npz")
         key = sorted(refs.files)[0]
-        seed_part, psi_part = key.split("_psi")
-        seed = int(seed_part.removeprefix("seed"))
-        z = torch.from_numpy(np.random.RandomState(seed).randn(1, G.z_dim).astype(np.float32))
-        c = torch.zeros([1, G.c_dim])
-        if G.c_dim:
-            c[0, seed % G.c_dim] = 1
+        z, c, psi = reference_inputs(G, key)
         with torch.no_grad():
             score = D(torch.from_numpy(refs[key])[None], c)
             for impl in COMBOS:
                 with ops.use_impl(**impl):
-                    out = G(z, c, truncation_psi=float(psi_part), noise_mode="const")[0].numpy()
+                    out = G(z, c, truncation_psi=psi, noise_mode="const")[0].numpy()
                     assert np.linalg.norm(out - refs[key]) / np.linalg.norm(refs[key]) < 1e-4, (name, impl)
                     assert rel_err(D(torch.from_numpy(refs[key])[None], c), score) < 1e-5, (name, impl)
                 checked += 1

@@ -37,15 +37,21 @@ def reference_cases(names, first_only: bool = False):
     return cases
 
 
-def generate(G, key: str) -> torch.Tensor:
+def reference_inputs(G, key: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """z, c and psi of a reference key 'seed<S>_psi<P>' (the testdata README's recipe)."""
     seed_part, psi_part = key.split("_psi")
     seed = int(seed_part.removeprefix("seed"))
     z = torch.from_numpy(np.random.RandomState(seed).randn(1, G.z_dim).astype(np.float32))
     c = torch.zeros([1, G.c_dim])
     if G.c_dim:
         c[0, seed % G.c_dim] = 1
+    return z, c, float(psi_part)
+
+
+def generate(G, key: str) -> torch.Tensor:
+    z, c, psi = reference_inputs(G, key)
     with torch.no_grad():
-        return G(z, c, truncation_psi=float(psi_part), truncation_cutoff=None, noise_mode="const")
+        return G(z, c, truncation_psi=psi, truncation_cutoff=None, noise_mode="const")
 
 
 def sample(G, n: int = 2, seed: int = 0) -> torch.Tensor:
