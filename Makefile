@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-gpu browser setup clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+# requirements-reference.txt: the implementations the metric tests compare with, installed with --no-deps
+# because they declare torchvision, which Atelier never installs
+$(STAMP): requirements.txt requirements-dev.txt requirements-reference.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements-reference.txt
 	@touch $(STAMP)
 
 setup: $(STAMP)

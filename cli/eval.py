@@ -21,19 +21,24 @@ from cli.errors import cli_errors
 from cli.options import add_optimization_args, flags_from_args
 from core.errors import InputError
 from core.types import GenerationRequest, Job, OptimizationFlags, StyleGANParams, SEED_MAX
-from evaluation.metrics import METRICS, FeatureStats, compute_metrics, parse_metrics, real_statistics
+from evaluation.metrics import (INPUT_MODES, KID_SEED, METRICS, FeatureStats, compute_metrics, parse_metrics,
+                                real_statistics)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="app.py eval", description="Measure FID, KID, IS and LPIPS of generated images.")
-    p.add_argument("--real", default=None, help="real images: folder, .npy/.npz array, or a stats .npz (mu, sigma)")
-    p.add_argument("--fake", default=None, help="generated images: folder or .npy/.npz array")
+    p.add_argument("--real", default=None,
+                   help="real images: folder, .npy/.npz/.npy.xz array, or a stats .npz (mu, sigma)")
+    p.add_argument("--fake", default=None, help="generated images: folder or .npy/.npz/.npy.xz array")
     p.add_argument("--model", default=None, help="StyleGAN model (catalogue id or file) to sample instead of --fake")
     p.add_argument("--num", type=int, default=None, help="images to generate with --model (or the first N of --fake)")
     p.add_argument("--num-real", type=int, default=None, help="use only the first N real images")
     p.add_argument("--metrics", default="fid,kid,is", help=f"comma list of {', '.join(METRICS)} (default fid,kid,is)")
     p.add_argument("--inception-weights", default=None, metavar="PATH",
                    help="pt_inception-2015-12-05-6726825d.pth (or a folder holding it)")
+    p.add_argument("--inception-input", choices=INPUT_MODES, default=INPUT_MODES[0],
+                   help="whose input path to reproduce: tf = torch-fidelity / torchmetrics / NVlabs StyleGAN "
+                        "(default), pytorch-fid, clean = clean-fid")
     p.add_argument("--lpips-weights", default=None, metavar="PATH",
                    help="LPIPS heads (lpips v0.1 alex.pth / vgg.pth), or a folder with heads and backbone")
     p.add_argument("--lpips-backbone", default=None, metavar="PATH",
@@ -47,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="range of float arrays in .npy/.npz (generate --out x.npy writes -1,1)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
-    p.add_argument("--seed", type=int, default=0, help="seed of KID subsets and LPIPS pairs")
+    p.add_argument("--seed", type=int, default=KID_SEED,
+                   help=f"seed of KID subsets (default {KID_SEED}: torch-fidelity's) and LPIPS pairs")
     p.add_argument("--cache-dir", default=None, help="where real-set statistics are cached (default: the studio cache)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write cached real-set statistics")
     p.add_argument("--save-real-stats", default=None, metavar="NPZ",
@@ -114,7 +120,8 @@ def main(argv: list[str], services=None) -> int:
             raise InputError("--save-real-stats needs --real")
         from evaluation.inception import InceptionFeatures
 
-        inception = InceptionFeatures(a.inception_weights, device=a.device, batch_size=a.batch_size, progress=progress)
+        inception = InceptionFeatures(a.inception_weights, device=a.device, batch_size=a.batch_size, progress=progress,
+                                      input_mode=a.inception_input)
         stats, _ = real_statistics(real, inception, cache_dir, batch_size=a.batch_size, progress=progress,
                                    num=a.num_real)
         stats.save(a.save_real_stats)
@@ -126,7 +133,7 @@ def main(argv: list[str], services=None) -> int:
         inception_weights=a.inception_weights, lpips_weights=a.lpips_weights, lpips_backbone=a.lpips_backbone,
         lpips_net=a.lpips_net, device=a.device, batch_size=a.batch_size, kid_subsets=a.kid_subsets,
         kid_subset_size=a.kid_subset_size, is_splits=a.is_splits, lpips_pairs=a.lpips_pairs, seed=a.seed,
-        cache_dir=cache_dir, value_range=value_range, progress=progress, inception=inception)
+        input_mode=a.inception_input, cache_dir=cache_dir, value_range=value_range, progress=progress, inception=inception)
     result["real"] = a.real
     result["fake"] = a.fake if a.fake is not None else {"model": a.model, "seeds": [a.seed_start, a.seed_start + a.num - 1],
                                                          "truncation_psi": a.truncation, "class_index": a.class_index}

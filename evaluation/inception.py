@@ -1,18 +1,27 @@
-"""The FID Inception v3 ("pt_inception-2015-12-05") in plain PyTorch, and a feature extractor around it.
+"""The FID Inception v3 ("2015-12-05") in plain PyTorch, the input paths of the FID tools, and a feature extractor.
 
 FID, KID and IS are only comparable across papers when they use this exact
-network: TensorFlow's 2015 Inception graph, ported to PyTorch by pytorch-fid
-(`FIDInceptionA/C/E`) and torch-fidelity (`FeatureExtractorInceptionV3`). It
-differs from torchvision's Inception v3 in three places, each marked below:
-average pools ignore padded zeros (TF semantics), the last block pools with a
-max instead of an average, and the classifier has 1008 outputs. Module and
-attribute names follow those ports so the published state dict loads by name.
+network: TensorFlow's 2015 Inception graph, as ported by pytorch-fid
+(`FIDInceptionA/C/E`) and torch-fidelity (`FeatureExtractorInceptionV3`, which
+torchmetrics uses too). It differs from torchvision's Inception v3 in three
+places, each marked below: average pools ignore padded zeros (TF semantics), the
+last block pools with a max instead of an average, and the classifier has 1008
+outputs. Module and attribute names follow those ports, so the published state
+dict loads by name; tests/test_metrics_reference.py loads one weight file into
+this network and into torch-fidelity's and compares the features.
 
-Input path (as pytorch-fid): images in [0, 1] -> bilinear resize to 299x299
-(align_corners=False) -> x * 2 - 1. Outputs: pool3 features (2048-d, for FID
-and KID) and 1008 logits (for IS). IS uses the logits *without* the fc bias by
-default, as the original Inception Score code (and torch-fidelity) do: they
-multiply pool3 by the softmax weight matrix only.
+The tools agree on the network but not on how an image reaches 299x299, which
+moves FID by a few percent, so the input path is a choice (`INPUT_MODES`):
+
+  tf           torch-fidelity, torchmetrics, NVlabs' StyleGAN metrics and the original
+               TensorFlow FID: uint8 -> TF 1.x bilinear resize -> (x - 128) / 128   (default)
+  pytorch-fid  pytorch-fid: x / 255 -> torch bilinear resize (align_corners=False) -> 2x - 1
+  clean        clean-fid's default mode: PIL bicubic resize of each channel in float,
+               clipped to [0, 255] -> (x - 128) / 128
+
+Outputs: pool3 features (2048-d, for FID and KID) and 1008 logits for IS,
+*without* the fc bias, as the original Inception Score code and torch-fidelity
+("logits_unbiased") compute them.
 """
 from __future__ import annotations
 
@@ -33,7 +42,9 @@ from evaluation.weights import INCEPTION, file_digest, find_weights, load_state_
 INPUT_SIZE = 299
 POOL_DIM = 2048
 NUM_LOGITS = 1008           # TF's ImageNet graph: 1000 classes + 8 unused/background outputs
-PREPROCESS_VERSION = "pt-fid-bilinear299-v1"   # part of the cache key: change it when the input path changes
+PREPROCESS_VERSION = 2     # part of the cache key, with the mode: change it when an input path changes
+INPUT_MODES = ("tf", "pytorch-fid", "clean")
+DEFAULT_INPUT_MODE = "tf"
 
 
 class ConvBN(nn.Module):
@@ -205,20 +216,23 @@ class FIDInceptionV3(nn.Module):
             x = block(x)
         return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)                        # N x 2048
 
-    def logits(self, pool: torch.Tensor, bias: bool = False) -> torch.Tensor:
-        """1008 class logits from pool3. Without the bias by default, as the Inception Score was defined."""
+    def logits(self, pool: torch.Tensor) -> torch.Tensor:
+        """1008 class logits from pool3, without the fc bias: the Inception Score's definition."""
         assert pool.ndim == 2 and pool.shape[1] == POOL_DIM, f"expected [N, {POOL_DIM}], got {tuple(pool.shape)}"
-        out = pool @ self.fc.weight.T
-        return out + self.fc.bias if bias else out
+        return pool @ self.fc.weight.T
 
 
-def to_unit_float(images) -> torch.Tensor:
-    """uint8 [N, 3, H, W] (0..255) or float [N, 3, H, W] in [0, 1] -> float32 tensor in [0, 1]."""
+def to_pixels(images) -> torch.Tensor:
+    """uint8 [N, 3, H, W] (0..255) or float [N, 3, H, W] in [0, 1] -> float32 tensor in [0, 255].
+
+    The tools all read uint8 images; floats are scaled, not quantised (quantise first, as
+    `compute_metrics` does, to reproduce their numbers exactly).
+    """
     x = torch.as_tensor(np.ascontiguousarray(images) if isinstance(images, np.ndarray) else images)
     if x.ndim != 4 or x.shape[1] != 3:
         raise InputError(f"images must be [N, 3, H, W]; got shape {tuple(x.shape)}")
     if x.dtype == torch.uint8:
-        return x.to(torch.float32) / 255.0
+        return x.to(torch.float32)
     if not x.is_floating_point():
         raise InputError(f"images must be uint8 (0..255) or float in [0, 1]; got {x.dtype}")
     x = x.to(torch.float32)
@@ -228,15 +242,65 @@ def to_unit_float(images) -> torch.Tensor:
     if lo < -1e-3 or hi > 1 + 1e-3:
         raise InputError(f"float images must be in [0, 1]; these span [{lo:.3g}, {hi:.3g}] "
                          f"(generator outputs in [-1, 1] need (x + 1) / 2, or pass uint8)")
-    return x
+    return x * 255
 
 
-def preprocess(x01: torch.Tensor) -> torch.Tensor:
-    """[N, 3, H, W] in [0, 1] -> the network's input: bilinear 299x299 (align_corners=False), then x * 2 - 1."""
-    assert x01.ndim == 4 and x01.shape[1] == 3, f"expected [N, 3, H, W], got {tuple(x01.shape)}"
-    if tuple(x01.shape[-2:]) != (INPUT_SIZE, INPUT_SIZE):
-        x01 = F.interpolate(x01, size=(INPUT_SIZE, INPUT_SIZE), mode="bilinear", align_corners=False)
-    return x01 * 2 - 1
+def _tf1_bilinear_weights(n_in: int, n_out: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n_out, n_in]: row i holds TF 1.x's two bilinear weights for output pixel i along one axis."""
+    pos = torch.arange(n_out, dtype=dtype, device=device) * (n_in / n_out)
+    lo = pos.long()                                       # floor: positions are >= 0
+    hi = (lo + 1).clamp_max(n_in - 1)                     # the last input pixel repeats past the edge
+    frac = pos - lo.to(dtype)
+    rows = torch.arange(n_out, device=device)
+    w = torch.zeros(n_out, n_in, dtype=dtype, device=device)
+    w.index_put_((rows, lo), 1 - frac, accumulate=True)
+    w.index_put_((rows, hi), frac, accumulate=True)
+    return w
+
+
+def resize_bilinear_tf1(x: torch.Tensor, size: int) -> torch.Tensor:
+    """TensorFlow 1.x `resize_bilinear` (align_corners=False), the resize inside the TF FID graph.
+
+    Output pixel i samples the input at i * in / out, with no half-pixel offset (torch's
+    align_corners=False samples at (i + 0.5) * in / out - 0.5), so a downscale keeps the
+    top-left pixel and drops the bottom-right edge. Written as one weight matrix per axis
+    (out = Wy x Wx^T): 15x faster on a CPU than gathering pixels, and within float32
+    rounding of torch-fidelity's gather (~5e-5 on the 0..255 scale).
+    """
+    wy = _tf1_bilinear_weights(x.shape[2], size, x.dtype, x.device)
+    wx = _tf1_bilinear_weights(x.shape[3], size, x.dtype, x.device)
+    return wy @ x @ wx.T
+
+
+def resize_bicubic_pil(x: torch.Tensor, size: int) -> torch.Tensor:
+    """clean-fid's resize: each channel as a 32-bit float PIL image, bicubic (PIL filters with the
+    kernel widened by the scale when shrinking, so no aliasing), then clipped to [0, 255]. On the CPU."""
+    from PIL import Image
+
+    arr = x.detach().to("cpu", torch.float32).numpy()
+    out = np.empty((arr.shape[0], arr.shape[1], size, size), np.float32)
+    for i in range(arr.shape[0]):
+        for c in range(arr.shape[1]):
+            out[i, c] = np.asarray(Image.fromarray(arr[i, c]).resize((size, size), Image.Resampling.BICUBIC))
+    return torch.from_numpy(np.clip(out, 0, 255))
+
+
+def preprocess(pixels: torch.Tensor, mode: str = DEFAULT_INPUT_MODE) -> torch.Tensor:
+    """[N, 3, H, W] floats in [0, 255] -> the network's input [N, 3, 299, 299], by one of the tools' paths."""
+    assert pixels.ndim == 4 and pixels.shape[1] == 3, f"expected [N, 3, H, W], got {tuple(pixels.shape)}"
+    at_size = tuple(pixels.shape[-2:]) == (INPUT_SIZE, INPUT_SIZE)
+    if mode == "tf":
+        x = pixels if at_size else resize_bilinear_tf1(pixels, INPUT_SIZE)
+        return (x - 128) / 128
+    if mode == "pytorch-fid":
+        x = pixels / 255
+        if not at_size:
+            x = F.interpolate(x, size=(INPUT_SIZE, INPUT_SIZE), mode="bilinear", align_corners=False)
+        return x * 2 - 1
+    if mode == "clean":
+        x = pixels if at_size else resize_bicubic_pil(pixels, INPUT_SIZE).to(pixels.device)
+        return (x - 128) / 128
+    raise InputError(f"unknown Inception input mode {mode!r}; choose from {', '.join(INPUT_MODES)}")
 
 
 @contextlib.contextmanager
@@ -266,11 +330,14 @@ class InceptionFeatures:
 
     >>> inc = InceptionFeatures("pt_inception-2015-12-05-6726825d.pth", device="cuda")
     >>> pool, logits = inc.features(uint8_images)      # [N, 2048], [N, 1008] float32 numpy
+
+    `input_mode` picks the tool whose input path is reproduced (INPUT_MODES; "tf" by default).
     """
 
     def __init__(self, weights_path: str | os.PathLike | None = None, device: str | torch.device | None = None,
-                 batch_size: int = 64, progress: bool = True, logits_bias: bool = False):
+                 batch_size: int = 64, progress: bool = True, input_mode: str = DEFAULT_INPUT_MODE):
         from core.device import pick_device
+        from evaluation.weights import weights_report
 
         self.weights_path: Path = find_weights(INCEPTION, weights_path)
         self.device = pick_device(str(device)) if device is not None else pick_device(None)
@@ -278,21 +345,24 @@ class InceptionFeatures:
         if self.batch_size < 1:
             raise InputError("batch size must be at least 1")
         self.progress = progress
-        self.logits_bias = logits_bias      # False: the Inception Score's definition (pool3 @ W, no bias)
+        if input_mode not in INPUT_MODES:
+            raise InputError(f"unknown Inception input mode {input_mode!r}; choose from {', '.join(INPUT_MODES)}")
+        self.input_mode = input_mode
         net = FIDInceptionV3()
         match_state_dict(net, load_state_dict(self.weights_path), self.weights_path, INCEPTION)
         self.net = net.eval().requires_grad_(False).to(self.device)
+        self.weights = weights_report(INCEPTION, self.weights_path)
 
     @property
     def identity(self) -> str:
         """What the features depend on besides the images: the weights' bytes and the input path."""
-        return f"{file_digest(self.weights_path)}:{PREPROCESS_VERSION}:bias={int(self.logits_bias)}"
+        return f"{file_digest(self.weights_path)}:{self.input_mode}-v{PREPROCESS_VERSION}"
 
-    def _forward(self, x01: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with exact_fp32(self.device):
-            x = preprocess(x01.to(self.device, torch.float32))
-            pool = self.net(x)
-            logits = self.net.logits(pool, bias=self.logits_bias)
+            x = preprocess(pixels if self.input_mode == "clean" else pixels.to(self.device), self.input_mode)
+            pool = self.net(x.to(self.device))
+            logits = self.net.logits(pool)
         return pool.float().cpu(), logits.float().cpu()
 
     def features(self, images, batch_size: int | None = None, progress: bool | None = None
@@ -308,13 +378,13 @@ class InceptionFeatures:
         pools, logits = [], []
         with progress_bar(total, desc, self.progress if progress is None else progress) as bar:
             for batch in batches:
-                x01 = to_unit_float(batch)
-                if x01.shape[0] == 0:
+                pixels = to_pixels(batch)
+                if pixels.shape[0] == 0:
                     continue
-                p, l = self._forward(x01)
+                p, l = self._forward(pixels)
                 pools.append(p.numpy())
                 logits.append(l.numpy())
-                bar.update(x01.shape[0])
+                bar.update(pixels.shape[0])
         if not pools:
             raise InputError("no images to compute features of")
         pool, logit = np.concatenate(pools), np.concatenate(logits)

@@ -1,5 +1,10 @@
 """LPIPS (Zhang et al. 2018): a learned perceptual distance between two images, in plain PyTorch.
 
+Why not the `lpips` package or torchmetrics' LPIPS: both build the backbone with
+torchvision (which Atelier does not install) and fetch its ImageNet weights from
+the internet. tests/test_metrics_reference.py loads the same weight files into
+this module and into the `lpips` package and checks that the distances agree.
+
 Distance = sum over five backbone layers of the spatial mean of
 w_l . (f_l(x) / |f_l(x)| - f_l(y) / |f_l(y)|)^2, where f_l are ImageNet
 AlexNet (or VGG16) activations after a fixed input scaling, |.| is the norm
@@ -23,7 +28,7 @@ from evaluation.inception import exact_fp32, progress_bar
 from evaluation.scores import MeanStd
 from evaluation.sources import ImageSource, paired
 from evaluation.weights import (ALEXNET, LPIPS_ALEX, LPIPS_VGG, VGG16, WeightsSpec, find_weights, load_state_dict,
-                                match_state_dict)
+                                match_state_dict, weights_report)
 
 # End index (exclusive) into `features` of each tapped layer: relu1..relu5 (AlexNet), relu1_2..relu5_3 (VGG16)
 TAPS = {"alex": (2, 5, 8, 10, 12), "vgg": (4, 9, 16, 23, 30)}
@@ -105,7 +110,7 @@ class LPIPS(nn.Module):
             setattr(self, f"lin{k}", nn.Conv2d(c, 1, 1, bias=False))
         self.register_buffer("shift", torch.tensor(SHIFT).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("scale", torch.tensor(SCALE).view(1, 3, 1, 1), persistent=False)
-        self.weights_paths: dict[str, str] = {}
+        self.weights: dict[str, dict] = {}           # which files were loaded (path, sha256, published)
         if load:
             self.load_weights(lpips_weights, backbone_weights)
         self.eval().requires_grad_(False)
@@ -128,7 +133,8 @@ class LPIPS(nn.Module):
                                          backbone_state(load_state_dict(back_path)).items()}, back_path, back_spec)
         heads = nn.ModuleDict({f"lin{k}": lin for k, lin in enumerate(self.lins)})   # shares the layers
         match_state_dict(heads, heads_state(load_state_dict(head_path)), head_path, head_spec)
-        self.weights_paths = {"backbone": str(back_path), "lpips": str(head_path)}
+        self.weights = {"lpips_backbone": weights_report(back_spec, back_path),
+                        "lpips_heads": weights_report(head_spec, head_path)}
 
     def layer_outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
         h = (x - self.shift) / self.scale

@@ -23,17 +23,18 @@ import numpy as np
 import torch
 
 from core.errors import InputError
-from evaluation.inception import POOL_DIM, InceptionFeatures
+from evaluation.inception import DEFAULT_INPUT_MODE, INPUT_MODES, POOL_DIM, InceptionFeatures
 from evaluation.lpips import LPIPS, lpips_diversity, lpips_paired
-from evaluation.scores import (MeanStd, feature_stats, fid_from_features, fid_from_stats,
+from evaluation.scores import (KID_SEED, MeanStd, feature_stats, fid_from_features, fid_from_stats,
                                fid_from_stats_and_features, inception_score, kid_from_features)
 from evaluation.sources import (ArraySource, FolderSource, GeneratorSource, ImageSource, is_stats_file,
                                 open_source)
+from evaluation.weights import unpublished_note
 
 __all__ = [
     "InceptionFeatures", "LPIPS", "MeanStd", "FeatureStats", "compute_metrics", "real_statistics",
     "fid_from_features", "fid_from_stats", "fid_from_stats_and_features", "feature_stats", "kid_from_features", "inception_score",
-    "lpips_diversity", "lpips_paired", "open_source", "parse_metrics", "METRICS",
+    "lpips_diversity", "lpips_paired", "open_source", "parse_metrics", "METRICS", "INPUT_MODES", "KID_SEED",
 ]
 
 METRICS = ("fid", "kid", "is", "lpips", "lpips_paired")
@@ -179,7 +180,7 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
                     lpips_backbone: str | os.PathLike | None = None, lpips_net: str = "alex",
                     device: str | torch.device | None = None, batch_size: int = 32,
                     kid_subsets: int = 100, kid_subset_size: int = 1000, is_splits: int = 10,
-                    lpips_pairs: int | None = None, seed: int = 0, fid_method: str = "auto",
+                    lpips_pairs: int | None = None, seed: int = KID_SEED, input_mode: str = DEFAULT_INPUT_MODE,
                     cache_dir: str | os.PathLike | None | bool = None, value_range: tuple[float, float] = (-1.0, 1.0),
                     progress: bool = True, inception: InceptionFeatures | None = None,
                     lpips: LPIPS | None = None) -> dict:
@@ -187,7 +188,10 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
 
     Sources: a folder of images, a .npy/.npz image array (uint8, or floats in `value_range`),
     an array/tensor, an ImageSource, or a sampler `fn(batch_size) -> images` (needs `num`).
-    The real set may also be a FeatureStats or a stats .npz. Metrics (any of METRICS):
+    The real set may also be a FeatureStats or a stats .npz. `input_mode` is the FID tool whose
+    input path the Inception features reproduce ("tf": torch-fidelity / torchmetrics / NVlabs,
+    "pytorch-fid", "clean": clean-fid); `seed` draws the KID subsets (2020: torch-fidelity's) and
+    the LPIPS pairs. Metrics (any of METRICS):
       fid            Fréchet Inception distance (real vs fake)
       kid            Kernel Inception distance, mean and std over subsets (real vs fake)
       is             Inception Score of the fake set, mean and std over splits
@@ -195,7 +199,8 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
       lpips_paired   LPIPS between real[i] and fake[i] (e.g. reference vs toggled outputs)
     Pass `inception` / `lpips` objects to reuse loaded networks across calls.
     Returns a flat dict: fid, kid_mean, kid_std, is_mean, is_std, lpips_diversity(_std),
-    lpips_paired(_std) as asked, plus n_real, n_fake, settings, timings_s, notes.
+    lpips_paired(_std) as asked, plus n_real, n_fake, settings, weights (path, sha256, published),
+    timings_s, notes.
     """
     names = parse_metrics(metrics)
     if int(batch_size) < 1:
@@ -216,7 +221,8 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
     inc = lp = None
     if _NEEDS_INCEPTION & set(names):
         t = time.perf_counter()
-        inc = inception or InceptionFeatures(inception_weights, device=device, batch_size=batch_size, progress=progress)
+        inc = inception or InceptionFeatures(inception_weights, device=device, batch_size=batch_size, progress=progress,
+                                             input_mode=input_mode)
         timings["load_inception"] = time.perf_counter() - t
     if {"lpips", "lpips_paired"} & set(names):
         t = time.perf_counter()
@@ -255,9 +261,9 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
     if "fid" in names:
         t = time.perf_counter()
         if real_stats.features is not None:
-            result["fid"] = fid_from_features(real_stats.features, pool, method=fid_method)
+            result["fid"] = fid_from_features(real_stats.features, pool)
         else:
-            result["fid"] = fid_from_stats_and_features(real_stats.mu, real_stats.sigma, pool, method=fid_method)
+            result["fid"] = fid_from_stats_and_features(real_stats.mu, real_stats.sigma, pool)
         timings["fid"] = time.perf_counter() - t
         if min(real_stats.n, len(fake)) < SMALL_N:
             notes.append(f"FID from {min(real_stats.n, len(fake))} images is biased upwards and only comparable with "
@@ -301,11 +307,14 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
             result.setdefault("n_real", len(real))
             timings["lpips_paired"] = time.perf_counter() - t
 
+    if inc is not None:
+        settings["inception_input"] = inc.input_mode
     result["metrics"] = names
     result["settings"] = settings
     result["device"] = str(inc.device if inc is not None else (lp.shift.device))
-    result["weights"] = {**({"inception": str(inc.weights_path)} if inc is not None else {}),
-                         **(lp.weights_paths if lp is not None else {})}
+    weights = {**({"inception": inc.weights} if inc is not None else {}), **(lp.weights if lp is not None else {})}
+    result["weights"] = weights
+    notes += [n for n in map(unpublished_note, weights.values()) if n]
     timings["total"] = time.perf_counter() - t_start
     result["timings_s"] = {k: round(v, 4) for k, v in timings.items()}
     result["notes"] = notes

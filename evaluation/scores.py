@@ -2,15 +2,16 @@
 
 These functions know nothing about networks or images: they take feature
 matrices [N, D] (or logits [N, C]) as numpy arrays or tensors and return
-numbers, so they can be checked against closed forms on random data.
+numbers. tests/test_metrics_stats.py checks them against closed forms and
+against the published implementations (torch-fidelity, pytorch-fid, clean-fid,
+torchmetrics): FID and the Inception Score agree with torch-fidelity to float64
+rounding, KID draws the same subsets as torch-fidelity for the same seed.
 """
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import numpy as np
-import scipy.linalg
 import torch
 
 from core.errors import InputError
@@ -86,49 +87,20 @@ def _check_stats(mu1, sigma1, mu2, sigma2):
     return mu1, sigma1, mu2, sigma2
 
 
-FID_METHODS = ("auto", "sqrtm")
-
-
-def fid_from_stats(mu1, sigma1, mu2, sigma2, eps: float = 1e-6, method: str = "auto") -> float:
+def fid_from_stats(mu1, sigma1, mu2, sigma2) -> float:
     """Fréchet distance between N(mu1, sigma1) and N(mu2, sigma2):
     |mu1 - mu2|^2 + tr(S1) + tr(S2) - 2 tr(sqrt(S1 S2)).
 
-    method="auto": tr(sqrt(S1 S2)) through a factor F F^T of one covariance, as the sum of
-    square roots of the eigenvalues of the symmetric F^T S_other F: exact for PSD inputs,
-    always real, and several times faster than a general matrix square root.
-    method="sqrtm" follows pytorch-fid step by step: scipy's sqrtm of S1 S2; if that is not
-    finite (near-singular covariances), retry with eps on both diagonals; drop a negligible
-    imaginary part. Where the imaginary part is not negligible pytorch-fid gives up; we fall
-    back to the factor form instead.
+    tr(sqrt(S1 S2)) is the sum of the square roots of the eigenvalues of S1 S2, as in
+    torch-fidelity and torchmetrics; here they come from the symmetric F^T S2 F for a factor
+    F F^T = S1, which has the same eigenvalues, so they are real and never need pytorch-fid's
+    eps on the diagonal or its dropping of an imaginary part.
     """
     mu1, sigma1, mu2, sigma2 = _check_stats(mu1, sigma1, mu2, sigma2)
-    if method not in FID_METHODS:
-        raise InputError(f"FID method must be one of {', '.join(FID_METHODS)}; got {method!r}")
-    tr1, tr2 = float(np.trace(sigma1)), float(np.trace(sigma2))
-    if method == "sqrtm":
-        tr_covmean = _trace_sqrtm_like_pytorch_fid(sigma1, sigma2, eps)
-        if tr_covmean is not None:
-            return _fid(mu1, mu2, tr1, tr2, tr_covmean)
-    return _fid(mu1, mu2, tr1, tr2, _trace_sqrt_from_stats(sigma1, sigma2))
+    return _fid(mu1, mu2, float(np.trace(sigma1)), float(np.trace(sigma2)), _trace_sqrt_from_stats(sigma1, sigma2))
 
 
-def _trace_sqrtm_like_pytorch_fid(sigma1: np.ndarray, sigma2: np.ndarray, eps: float) -> float | None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")     # scipy warns on singular products; the checks below decide
-        covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
-        if not np.isfinite(covmean).all():
-            offset = np.eye(sigma1.shape[0]) * eps
-            covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
-    if not np.isfinite(covmean).all():
-        return None
-    if np.iscomplexobj(covmean):
-        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
-            return None
-        covmean = covmean.real
-    return float(np.trace(covmean))
-
-
-def fid_from_stats_and_features(mu1, sigma1, features2, method: str = "auto") -> float:
+def fid_from_stats_and_features(mu1, sigma1, features2) -> float:
     """FID between precomputed statistics (e.g. a cached real set) and a feature set [N, D].
 
     With fewer samples than dimensions the features enter through their centred data, so the
@@ -137,25 +109,23 @@ def fid_from_stats_and_features(mu1, sigma1, features2, method: str = "auto") ->
     f2 = _as_f64(features2, "features")
     mu2, s2 = feature_stats(f2)
     mu1, sigma1, mu2, s2 = _check_stats(mu1, sigma1, mu2, s2)
-    if method != "auto" or f2.shape[0] > f2.shape[1]:
-        return fid_from_stats(mu1, sigma1, mu2, s2, method=method)
+    if f2.shape[0] > f2.shape[1]:
+        return fid_from_stats(mu1, sigma1, mu2, s2)
     return _fid(mu1, mu2, float(np.trace(sigma1)), float(np.trace(s2)),
                 _trace_sqrt_from_factor(_data_factor(f2), sigma1))
 
 
-def fid_from_features(a, b, eps: float = 1e-6, method: str = "auto") -> float:
+def fid_from_features(a, b) -> float:
     """FID between two feature sets [N1, D] and [N2, D] (pool3 features for the standard FID).
 
-    With method="auto", a set with no more samples than dimensions enters through its centred
-    data (an N x D factor of its covariance), so small evaluations never solve a D x D problem.
+    A set with no more samples than dimensions enters through its centred data (an N x D
+    factor of its covariance), so small evaluations never solve a D x D problem.
     """
     fa, fb = _as_f64(a, "features a"), _as_f64(b, "features b")
     if fa.shape[1] != fb.shape[1]:
         raise InputError(f"feature sets differ in width: {fa.shape[1]} vs {fb.shape[1]}")
     mu1, s1 = feature_stats(fa)
     mu2, s2 = feature_stats(fb)
-    if method != "auto":
-        return fid_from_stats(mu1, s1, mu2, s2, eps=eps, method=method)
     d = fa.shape[1]
     small_a, small_b = fa.shape[0] <= d, fb.shape[0] <= d
     if small_a and small_b:
@@ -190,13 +160,17 @@ def polynomial_mmd2_unbiased(x, y, degree: int = 3, gamma: float | None = None, 
     return float(xx + yy - 2 * xy)
 
 
+KID_SEED = 2020        # torch-fidelity's default rng_seed: the same seed draws the same subsets
+
+
 def kid_from_features(a, b, subsets: int = 100, subset_size: int = 1000, degree: int = 3, gamma: float | None = None,
-                      coef0: float = 1.0, seed: int = 0, device: str | torch.device | None = None) -> MeanStd:
+                      coef0: float = 1.0, seed: int = KID_SEED, device: str | torch.device | None = None) -> MeanStd:
     """Kernel Inception Distance: unbiased polynomial MMD^2 averaged over random subsets (mean, std).
 
-    As in the KID paper and torch-fidelity: `subsets` draws of `subset_size` samples without
-    replacement from each set; the subset size shrinks to the smaller set when there are fewer
-    samples (then every draw is a permutation of all samples and the std is 0).
+    As torch-fidelity: for each subset, `subset_size` rows of `a` then of `b` drawn without
+    replacement by one np.random.RandomState(seed), so the same seed gives torch-fidelity's
+    subsets. Where torch-fidelity refuses a subset larger than a set, the size shrinks to the
+    smaller set (then every draw is a permutation of all samples and the std is 0).
     """
     fa, fb = _as_f64(a, "features a"), _as_f64(b, "features b")
     if fa.shape[1] != fb.shape[1]:
@@ -219,11 +193,12 @@ def kid_from_features(a, b, subsets: int = 100, subset_size: int = 1000, degree:
 
 
 def inception_score(logits, splits: int = 10, shuffle: bool = True, seed: int = 2020) -> MeanStd:
-    """IS = exp(E_x KL(p(y|x) || p(y))) per split of the samples; mean and std over splits.
+    """IS = exp(E_x KL(p(y|x) || p(y))) per split of the samples; mean and (population) std over splits.
 
-    `logits` [N, C] are unnormalised class scores (the 1008 Inception logits). p(y) is the
-    mean of p(y|x) within a split. Shuffling first (fixed seed, as torch-fidelity) keeps
-    sorted inputs (e.g. a class-ordered folder) from giving each split one class.
+    `logits` [N, C] are unnormalised class scores (the 1008 Inception logits, without the fc
+    bias). p(y) is the mean of p(y|x) within a split. As torch-fidelity: shuffle with
+    RandomState(seed).permutation (so sorted inputs, e.g. a class-ordered folder, do not give
+    each split one class), then split i holds rows i*N//splits .. (i+1)*N//splits.
     """
     lg = torch.from_numpy(_as_f64(logits, "logits"))
     n = lg.shape[0]

@@ -213,7 +213,19 @@ class GeneratorSource(ImageSource):
         return ArraySource(np.concatenate(runs), name=self.name)
 
 
+def _is_array_file(path: Path) -> bool:
+    return path.suffix in (".npy", ".npz") or path.name.endswith(".npy.xz")
+
+
 def _load_array_file(path: Path):
+    if path.name.endswith(".npy.xz"):             # how data sets ship in assets/datasets (e.g. emoji64)
+        import lzma
+
+        try:
+            with lzma.open(path) as f:
+                return np.load(f, allow_pickle=False)
+        except (lzma.LZMAError, ValueError, EOFError) as exc:
+            raise InputError(f"{path}: not an xz-compressed plain .npy array ({exc})") from None
     if path.suffix == ".npy":
         try:
             return np.load(path, mmap_mode="r", allow_pickle=False)
@@ -241,7 +253,7 @@ def is_stats_file(path: str | os.PathLike) -> bool:
 
 def open_source(spec, num: int | None = None, value_range: tuple[float, float] = (-1.0, 1.0),
                 what: str = "images") -> ImageSource:
-    """A path (folder, .npy, .npz), an array/tensor, a sampler callable (needs `num`) or an ImageSource."""
+    """A path (folder, .npy, .npz, .npy.xz), an array/tensor, a sampler callable (needs `num`) or an ImageSource."""
     if isinstance(spec, ImageSource):
         return spec
     if callable(spec) and not isinstance(spec, (str, os.PathLike)):
@@ -254,8 +266,8 @@ def open_source(spec, num: int | None = None, value_range: tuple[float, float] =
             return FolderSource(p)
         if not p.exists():
             raise InputError(f"{what}: {p} does not exist")
-        if p.suffix not in (".npy", ".npz"):
-            raise InputError(f"{what}: {p} is neither a folder of images nor a .npy/.npz array")
+        if not _is_array_file(p):
+            raise InputError(f"{what}: {p} is neither a folder of images nor a .npy/.npz/.npy.xz array")
         if is_stats_file(p):
             raise InputError(f"{what}: {p} holds feature statistics (mu, sigma), not images; "
                              f"it can only stand for the real set")
