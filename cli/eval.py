@@ -21,7 +21,7 @@ from cli.errors import cli_errors
 from cli.options import add_optimization_args, flags_from_args
 from core.errors import InputError
 from core.types import GenerationRequest, Job, OptimizationFlags, StyleGANParams, SEED_MAX
-from evaluation.metrics import (INPUT_MODES, KID_SEED, METRICS, FeatureStats, compute_metrics, parse_metrics,
+from evaluation.metrics import (DEFAULT_INPUT_MODE, INPUT_MODES, KID_SEED, METRICS, FeatureStats, compute_metrics, parse_metrics,
                                 real_statistics)
 
 
@@ -36,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default="fid,kid,is", help=f"comma list of {', '.join(METRICS)} (default fid,kid,is)")
     p.add_argument("--inception-weights", default=None, metavar="PATH",
                    help="pt_inception-2015-12-05-6726825d.pth (or a folder holding it)")
-    p.add_argument("--inception-input", choices=INPUT_MODES, default=INPUT_MODES[0],
-                   help="whose input path to reproduce: tf = torch-fidelity / torchmetrics / NVlabs StyleGAN "
-                        "(default), pytorch-fid, clean = clean-fid")
+    p.add_argument("--inception-input", choices=INPUT_MODES, default=DEFAULT_INPUT_MODE,
+                   help="which tool's way into the Inception to reproduce: tf = torch-fidelity / NVlabs StyleGAN / "
+                        "TensorFlow FID (default), torchmetrics (its antialiased default), pytorch-fid, "
+                        "clean = clean-fid (docs/metrics.md)")
     p.add_argument("--lpips-weights", default=None, metavar="PATH",
                    help="LPIPS heads (lpips v0.1 alex.pth / vgg.pth), or a folder with heads and backbone")
     p.add_argument("--lpips-backbone", default=None, metavar="PATH",

@@ -13,8 +13,10 @@ this network and into torch-fidelity's and compares the features.
 The tools agree on the network but not on how an image reaches 299x299, which
 moves FID by a few percent, so the input path is a choice (`INPUT_MODES`):
 
-  tf           torch-fidelity, torchmetrics, NVlabs' StyleGAN metrics and the original
-               TensorFlow FID: uint8 -> TF 1.x bilinear resize -> (x - 128) / 128   (default)
+  tf           torch-fidelity, NVlabs' StyleGAN metrics, the original TensorFlow FID (and
+               torchmetrics with antialias=False): TF 1.x bilinear resize -> (x - 128) / 128  (default)
+  torchmetrics torchmetrics' default (antialias=True): torch bilinear resize with antialiasing
+               -> (x - 128) / 128
   pytorch-fid  pytorch-fid: x / 255 -> torch bilinear resize (align_corners=False) -> 2x - 1
   clean        clean-fid's default mode: PIL bicubic resize of each channel in float,
                clipped to [0, 255] -> (x - 128) / 128
@@ -43,7 +45,7 @@ INPUT_SIZE = 299
 POOL_DIM = 2048
 NUM_LOGITS = 1008           # TF's ImageNet graph: 1000 classes + 8 unused/background outputs
 PREPROCESS_VERSION = 2     # part of the cache key, with the mode: change it when an input path changes
-INPUT_MODES = ("tf", "pytorch-fid", "clean")
+INPUT_MODES = ("tf", "torchmetrics", "pytorch-fid", "clean")
 DEFAULT_INPUT_MODE = "tf"
 
 
@@ -291,6 +293,10 @@ def preprocess(pixels: torch.Tensor, mode: str = DEFAULT_INPUT_MODE) -> torch.Te
     at_size = tuple(pixels.shape[-2:]) == (INPUT_SIZE, INPUT_SIZE)
     if mode == "tf":
         x = pixels if at_size else resize_bilinear_tf1(pixels, INPUT_SIZE)
+        return (x - 128) / 128
+    if mode == "torchmetrics":
+        x = pixels if at_size else F.interpolate(pixels, size=(INPUT_SIZE, INPUT_SIZE), mode="bilinear",
+                                                 align_corners=False, antialias=True)
         return (x - 128) / 128
     if mode == "pytorch-fid":
         x = pixels / 255

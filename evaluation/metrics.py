@@ -34,7 +34,8 @@ from evaluation.weights import unpublished_note
 __all__ = [
     "InceptionFeatures", "LPIPS", "MeanStd", "FeatureStats", "compute_metrics", "real_statistics",
     "fid_from_features", "fid_from_stats", "fid_from_stats_and_features", "feature_stats", "kid_from_features", "inception_score",
-    "lpips_diversity", "lpips_paired", "open_source", "parse_metrics", "METRICS", "INPUT_MODES", "KID_SEED",
+    "lpips_diversity", "lpips_paired", "open_source", "parse_metrics", "METRICS", "INPUT_MODES", "DEFAULT_INPUT_MODE",
+    "KID_SEED",
 ]
 
 METRICS = ("fid", "kid", "is", "lpips", "lpips_paired")
@@ -189,7 +190,7 @@ def compute_metrics(real_source=None, fake_source=None, metrics: str | Iterable[
     Sources: a folder of images, a .npy/.npz image array (uint8, or floats in `value_range`),
     an array/tensor, an ImageSource, or a sampler `fn(batch_size) -> images` (needs `num`).
     The real set may also be a FeatureStats or a stats .npz. `input_mode` is the FID tool whose
-    input path the Inception features reproduce ("tf": torch-fidelity / torchmetrics / NVlabs,
+    input path the Inception features reproduce ("tf": torch-fidelity / NVlabs, "torchmetrics",
     "pytorch-fid", "clean": clean-fid); `seed` draws the KID subsets (2020: torch-fidelity's) and
     the LPIPS pairs. Metrics (any of METRICS):
       fid            Fréchet Inception distance (real vs fake)

@@ -15,7 +15,8 @@ code sees it):
 Everything else compared is the packages' own code: torch-fidelity's FeatureExtractorInceptionV3 (its
 TF-compatible resize and the FID network), its FID/KID/IS functions, pytorch-fid's and clean-fid's Fréchet
 distance, clean-fid's resize and KID, torchmetrics' FID/KID, lpips' LPIPS module, and the input-path code
-of pytorch-fid's InceptionV3.forward and clean-fid's InceptionV3W.forward (called with our network inside).
+of pytorch-fid's InceptionV3.forward, clean-fid's InceptionV3W.forward and torchmetrics' NoTrainInceptionV3
+(called with a stand-in for their network that records what it receives).
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def torchmetrics_references() -> types.SimpleNamespace:
     """torchmetrics' FID and KID (a slow import: it pulls in transformers). torchmetrics asks find_spec
     whether torchvision exists, so it is imported without the stand-in, reusing torch_fidelity from above."""
     references()
-    from torchmetrics.image.fid import FrechetInceptionDistance
+    from torchmetrics.image.fid import FrechetInceptionDistance, NoTrainInceptionV3
     from torchmetrics.image.kid import KernelInceptionDistance
 
-    return types.SimpleNamespace(FID=FrechetInceptionDistance, KID=KernelInceptionDistance, identity=_Identity)
+    return types.SimpleNamespace(FID=FrechetInceptionDistance, KID=KernelInceptionDistance, identity=_Identity,
+                                 NoTrainInceptionV3=NoTrainInceptionV3)

@@ -367,6 +367,7 @@ def test_cli_samples_a_model_and_writes_json(testdata, inception_file, lpips_ale
     out = tmp_path / "m.json"
     rc, so, se = run_cli("--real", real, "--model", testdata / "stylegan" / "sg2_uncond_32.pkl", "--num", 3,
                          "--metrics", "fid,kid,is,lpips", "--inception-weights", inception_file.parent,
+                         "--inception-input", "clean",
                          "--lpips-weights", lpips_folder, "--device", "cpu", "--kid-subsets", 3,
                          "--cache-dir", tmp_path / "cache", "--save-real-stats", tmp_path / "real_stats.npz",
                          "--out", out, "--quiet")
@@ -377,6 +378,7 @@ def test_cli_samples_a_model_and_writes_json(testdata, inception_file, lpips_ale
     for key in ("fid", "kid_mean", "kid_std", "is_mean", "is_std", "lpips_diversity"):
         assert isinstance(summary[key], float) and np.isfinite(summary[key]), key
     assert summary["is_mean"] >= 1.0 and summary["lpips_diversity"] > 0
+    assert summary["settings"]["inception_input"] == "clean" and summary["weights"]["inception"]["published"] is False
     stats = FeatureStats.load(tmp_path / "real_stats.npz")
     assert stats.n == 2 and stats.features.shape == (2, POOL_DIM)
 
