@@ -11,6 +11,8 @@ STAMP := $(VENV)/.installed
 # requirements-reference.txt: the implementations the metric tests compare with, installed with --no-deps
 # because they declare torchvision, which Atelier never installs
 $(STAMP): requirements.txt requirements-dev.txt requirements-reference.txt
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "Atelier needs Python >= 3.11 (the pinned numpy, scipy, diffusers need it): PYTHON=python3.11 make ..."; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt

@@ -1,11 +1,34 @@
 """Application settings: one frozen dataclass built in app.py and passed down."""
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+MODES = ("local", "public")
+# what a host may open up to visitors in public mode (`--allow`, ATELIER_ALLOW)
+VISITOR_CAPABILITIES = ("hub", "add-model", "train")
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_allow(text: str | None) -> frozenset[str]:
+    """'hub,train' -> {'hub', 'train'}; an unknown name is refused by name."""
+    names = frozenset(n.strip() for n in (text or "").split(",") if n.strip())
+    unknown = sorted(names - set(VISITOR_CAPABILITIES))
+    if unknown:
+        raise ValueError(f"unknown --allow value {', '.join(unknown)}; use some of {', '.join(VISITOR_CAPABILITIES)}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -24,11 +47,39 @@ class Settings:
     vram_budget_fraction: float = 0.85                          # model manager evicts above this
     default_stylegan_model: str | None = None
     runs_dir: Path | None = None                                # training runs; None = output_dir/../runs
+    # who may do what: 'local' (the operator's own machine: every path and hub id) or 'public' (strangers:
+    # catalogue and configured folders only). 'auto' = public with --share, on a Space or on a non-loopback host
+    mode: str = "auto"
+    allow: frozenset[str] = frozenset()                         # public mode: what visitors may do besides generate
+    data_dirs: tuple[Path, ...] = ()                            # public mode + train: where training data may come from
+    on_space: bool = False                                      # running as a Hugging Face Space (SPACE_ID set)
+
+    def __post_init__(self):
+        if self.mode == "auto":
+            public = self.share or self.on_space or not is_loopback(self.host)
+            object.__setattr__(self, "mode", "public" if public else "local")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be local or public; got {self.mode!r}")
+        allow = self.allow if isinstance(self.allow, str) else ",".join(self.allow)
+        object.__setattr__(self, "allow", parse_allow(allow))
+
+    @property
+    def public(self) -> bool:
+        return self.mode == "public"
+
+    def visitor_may(self, capability: str) -> bool:
+        """Local mode: everything. Public mode: only what the host allowed."""
+        return not self.public or capability in self.allow
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
         env = os.environ
         kw: dict = {}
+        # Gradio's own variables first (what a Space or a container sets), ours win over them
+        if env.get("GRADIO_SERVER_NAME"):
+            kw["host"] = env["GRADIO_SERVER_NAME"]
+        if env.get("GRADIO_SERVER_PORT"):
+            kw["port"] = int(env["GRADIO_SERVER_PORT"])
         if "ATELIER_HOST" in env:
             kw["host"] = env["ATELIER_HOST"]
         if "ATELIER_PORT" in env:
@@ -46,5 +97,14 @@ class Settings:
             kw["runs_dir"] = Path(env["ATELIER_RUNS_DIR"])
         if "ATELIER_DEVICE" in env:
             kw["device"] = env["ATELIER_DEVICE"]
+        if env.get("ATELIER_MODE"):
+            kw["mode"] = env["ATELIER_MODE"]
+        if env.get("ATELIER_ALLOW"):
+            kw["allow"] = parse_allow(env["ATELIER_ALLOW"])
+        if env.get("ATELIER_DATA_DIRS"):
+            kw["data_dirs"] = tuple(Path(p) for p in env["ATELIER_DATA_DIRS"].split(os.pathsep) if p)
+        if env.get("SPACE_ID"):
+            kw["on_space"] = True
+            kw.setdefault("host", "0.0.0.0")   # Spaces route to the container's port
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)

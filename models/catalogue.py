@@ -46,6 +46,11 @@ def scan_stylegan(folder: Path, source: str) -> list[CatalogueEntry]:
     return out
 
 
+def public_name(e: CatalogueEntry) -> str:
+    """How an entry is named to a visitor: a file's name, never the folder it sits in on the server."""
+    return Path(e.path).name if (e.path and e.source == "local" and e.id == e.path) else e.id
+
+
 def _license(side: dict | None) -> str | None:
     if not side:
         return None
@@ -56,14 +61,24 @@ class Catalogue:
     """Everything the studio can offer, from the folders the settings name."""
 
     def __init__(self, assets_dir: Path, model_dirs: tuple[Path, ...] = (), extra: tuple[str, ...] = (),
-                 default_stylegan: str | None = None):
+                 default_stylegan: str | None = None, public: bool = False, allow_hub: bool = True):
+        """`public`: strangers use this studio, so a request may name only what is listed (no other path,
+        no other hub id) and errors name no server path; `allow_hub`: list the well-known hub models
+        (a pick downloads several GB)."""
         self.assets_dir = Path(assets_dir)
         self.model_dirs = tuple(Path(d) for d in model_dirs)
         self.extra = tuple(extra)
         self._default_stylegan = default_stylegan
-        self._added: list[CatalogueEntry] = []
+        self.public = public
+        self.allow_hub = allow_hub
+        self._added: list[tuple[str | None, CatalogueEntry]] = []   # (owner, entry); owner None = everyone's
 
-    def entries(self, backend: str | None = None) -> list[CatalogueEntry]:
+    def entries(self, backend: str | None = None, owner: str | None = None) -> list[CatalogueEntry]:
+        """What a picker lists: the scanned folders, the operator's models, and the models added by
+        `owner` (a visitor's session) or by the operator (owner None)."""
+        return self._entries(backend, lambda o: o is None or o == owner)
+
+    def _entries(self, backend: str | None, owned) -> list[CatalogueEntry]:
         found = scan_stylegan(self.assets_dir / "models", "bundled")
         for d in self.model_dirs:
             found += scan_stylegan(d, "local")
@@ -74,7 +89,7 @@ class Catalogue:
                     CatalogueEntry(id=str(p), backend="stylegan", kind="stylegan", source="local", path=str(p),
                                    size_bytes=p.stat().st_size)]
         found += self._diffusion_entries()
-        found += self._added
+        found += [e for o, e in self._added if owned(o)]
         seen, uniq = set(), []
         for e in found:
             if (e.backend, e.id) not in seen:
@@ -88,10 +103,11 @@ class Catalogue:
         except ImportError:
             return []
         dirs = list(self.model_dirs) + [Path(r) for r in self.extra if Path(r).exists()]
-        return list(dc.scan_diffusion_models(dirs)) + list(getattr(dc, "KNOWN_HUB_MODELS", []))
+        hub = list(getattr(dc, "KNOWN_HUB_MODELS", [])) if self.allow_hub else []
+        return list(dc.scan_diffusion_models(dirs)) + hub
 
-    def add(self, ref: str, backend: str) -> CatalogueEntry:
-        """Add a path or hub id typed by the operator in the UI."""
+    def add(self, ref: str, backend: str, owner: str | None = None) -> CatalogueEntry:
+        """Add a path or hub id typed in the UI; `owner` (a session) keeps it out of other sessions' lists."""
         ref = ref.strip()
         if not ref:
             raise ModelLoadError("type a model path or a Hugging Face id to add")
@@ -104,17 +120,24 @@ class Catalogue:
         else:
             e = CatalogueEntry(id=ref, backend="diffusion", kind="diffusion", source="local" if p.exists() else "hub",
                                path=str(p) if p.exists() else None)
-        self._added.append(e)
+        self._added.append((owner, e))
         return e
 
     def resolve(self, ref: str | None, backend: str) -> CatalogueEntry:
         """A catalogue id, a path, or (diffusion) a hub id -> the entry to load."""
         if ref is None or ref == "":
             return self.default(backend)
-        entries = self.entries(backend)
+        entries = self._entries(backend, lambda o: True)
         for e in entries:
             if ref in (e.id, e.path):
                 return e
+        if self.public:   # a stranger names only what is listed: no other file, no hub download, no hint
+            if backend == "diffusion" and ref in self.extra:
+                return CatalogueEntry(id=ref, backend="diffusion", kind="diffusion", source="hub")
+            names = ", ".join(public_name(e) for e in self.entries(backend)[:8]) or "none"
+            shown = ref if len(ref) <= 80 else ref[:77] + "..."
+            raise ModelLoadError(f"model {shown!r} is not available on this studio; pick one from the model list "
+                                 f"({names})")
         p = Path(ref).expanduser()
         if p.exists():
             return CatalogueEntry(id=str(p), backend=backend, kind=backend, source="local", path=str(p),

@@ -17,7 +17,8 @@ class Services:
 
 def build_services(settings: Settings) -> Services:
     catalogue = Catalogue(settings.assets_dir, settings.models_dirs, settings.extra_models,
-                          default_stylegan=settings.default_stylegan_model)
+                          default_stylegan=settings.default_stylegan_model, public=settings.public,
+                          allow_hub=settings.visitor_may("hub"))
     manager = ModelManager(catalogue, device=settings.device, budget_fraction=settings.vram_budget_fraction,
                            cache_dir=settings.cache_dir)
     return Services(settings, catalogue, manager)

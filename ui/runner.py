@@ -7,6 +7,7 @@ step, so a job stops within one step and the GPU is free for the next one.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import uuid
@@ -14,16 +15,19 @@ import weakref
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from core.device import pick_device, synchronizer
+import core.errors as errors
 from core.errors import AtelierError, Cancelled
 from core.pnginfo import save_png
-from core.types import Job
+from core.types import Job, ProgressEvent
 from pipelines.services import Services
 from pipelines.stylegan import write_animation
 from telemetry.live import DONE, FAILED, STOPPED, MemoryHistory
 from telemetry.metrics import StudioMetrics
+from ui import zerogpu
+from ui.access import redact_paths
 from ui.compare import run_comparison
 from ui.controls import JobSpec
 from ui.state import GpuQueue, ResultItem, SessionState, Ticket
@@ -59,7 +63,15 @@ class StudioRuntime:
         self.queue = GpuQueue()
         self.memory = MemoryHistory(self.device)
         self.metrics = StudioMetrics()
+        # what a visitor reads in an error: public mode names no server path
+        self.visitor_text: Callable[[str], str] = redact_paths if self.settings.public else str
         self.gpu_lock = threading.Lock()       # a worker abandoned by its event still holds the GPU until it ends
+        # ZeroGPU: the job body runs in a worker process that holds a GPU for a duration sized from the request
+        self.bridge: zerogpu.GpuBridge | None = None
+        self._gpu_call: Callable | None = None
+        if zerogpu.on_zerogpu():
+            self.bridge = zerogpu.GpuBridge()
+            self._gpu_call = zerogpu.decorate(self._run_in_gpu_worker, zerogpu.gpu_seconds)
         self.poll_s = poll_s
         # weak: Gradio owns the sessions (and expires them); this map only finds one when its tab closes
         self._sessions: weakref.WeakValueDictionary[str, SessionState] = weakref.WeakValueDictionary()
@@ -124,16 +136,23 @@ class StudioRuntime:
                     box["error"] = Cancelled("cancelled by the user")
                     return
                 try:
-                    box["items"], box["result"] = self._execute(spec, job, tracker)
+                    if self._gpu_call is not None:
+                        box["items"], box["result"] = self._call_gpu_worker(spec, job, tracker)
+                    else:
+                        box["items"], box["result"] = self._execute(spec, job, tracker)
                 except BaseException as exc:   # handed to the event thread, which reports it
                     box["error"] = exc
 
-        worker = threading.Thread(target=work, name=f"atelier-job-{ticket.id}", daemon=True)
+        # the thread runs in a copy of this context: ZeroGPU reads the visitor's request (for quotas) from it
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(work,),
+                                  name=f"atelier-job-{ticket.id}", daemon=True)
         worker.start()
         seen_preview = tracker.latest_preview()[0]
         try:
             while worker.is_alive():
                 worker.join(self.poll_s)
+                if self.bridge is not None:
+                    self._relay_gpu_worker(job, tracker)
                 seq, preview = tracker.latest_preview()
                 if seq != seen_preview:
                     seen_preview = seq
@@ -165,6 +184,7 @@ class StudioRuntime:
             if not isinstance(err, AtelierError):
                 log.exception("generation failed", exc_info=err)
             msg = str(err) if isinstance(err, AtelierError) else f"unexpected error: {type(err).__name__}: {err}"
+            msg = self.visitor_text(msg)
             tracker.finish(FAILED, job.timings_ms, message=msg)
             self.metrics.observe_job(backend, "failed", job.timings_ms)
             return Progress(done=True, state=FAILED, message=msg, error=err)
@@ -192,6 +212,51 @@ class StudioRuntime:
         session.results = items
         session.selected = 0 if items else None
         return Progress(done=True, state=DONE, message=msg, items=items)
+
+    # -- ZeroGPU: the same work in a worker process -------------------------------------
+    def _run_in_gpu_worker(self, spec: JobSpec) -> dict:
+        """The job body as ZeroGPU runs it, in a forked worker that holds the GPU. Takes and returns only
+        picklable data; errors travel back as (type, message), since ZeroGPU keeps only a type's name."""
+        job = Job(on_progress=self.bridge.report, sync=synchronizer(pick_device(spec.request.device or
+                                                                                self.services.manager.default_device)))
+        stop = threading.Event()
+        self.bridge.watch_cancel(job, stop)
+        out: dict = {}
+        try:
+            out["ok"] = self._execute(spec, job, None)
+        except Cancelled:
+            out["cancelled"] = True
+        except AtelierError as exc:
+            out["error"] = (type(exc).__name__, str(exc))
+        finally:
+            stop.set()
+        out["timings"] = dict(job.timings_ms)
+        return out
+
+    def _call_gpu_worker(self, spec: JobSpec, job: Job, tracker):
+        self.bridge.begin()
+        out = self._gpu_call(spec)
+        for name, ms in out.get("timings", {}).items():
+            job.timings_ms[name] = job.timings_ms.get(name, 0.0) + ms
+        self._relay_gpu_worker(job, tracker)
+        if out.get("cancelled"):
+            raise Cancelled("cancelled by the user")
+        if "error" in out:
+            cls_name, message = out["error"]
+            cls = getattr(errors, cls_name, AtelierError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, AtelierError) else AtelierError)(message)
+        return out["ok"]
+
+    def _relay_gpu_worker(self, job: Job, tracker) -> None:
+        """Studio side, while a ZeroGPU call runs: pass Stop to the worker and its steps to the panel."""
+        if job.cancelled:
+            self.bridge.cancel_event.set()
+
+        def on_event(stage, step, total, step_ms, message):
+            ev = ProgressEvent(stage, step, total, step_ms, None, message)
+            job.trace.append(ev)
+            tracker.on_progress(ev)
+        self.bridge.drain(on_event)
 
     # -- the work itself, on the worker thread ----------------------------------------
     def _out_path(self, stem: str, suffix: str = ".png") -> Path:

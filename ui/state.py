@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ class SessionState:
     """Everything one browser session owns. Mutated in place by the event handlers."""
 
     tracker: JobTracker = field(default_factory=JobTracker)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)   # owner of the models this visitor added
     job: Job | None = None                                   # the running job
     tickets: dict[int, Ticket] = field(default_factory=dict)  # this session's jobs not yet started, by id
     results: list[ResultItem] = field(default_factory=list)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from pipelines.tools import optimization_availability
 from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
 from ui import panel
+from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
 from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, compare_spec, controls_from_params, job_spec,
                          random_seed, size_label)
@@ -75,19 +77,21 @@ def load_css() -> str:
 
 
 # -- small helpers ---------------------------------------------------------------------------
-def _model_choices(services: Services, backend: str) -> tuple[list[tuple[str, str]], str | None, str]:
-    """(choices, default value, note) for the model picker."""
-    entries = services.catalogue.entries(backend)
+def _model_choices(services: Services, backend: str,
+                   owner: str | None = None) -> tuple[list[tuple[str, str]], str | None, str]:
+    """(choices, default value, note) for the model picker; `owner`: the session whose added models to list."""
+    entries = services.catalogue.entries(backend, owner)
     choices = [(_entry_label(e), e.id) for e in entries]
     try:
         default = services.catalogue.default(backend).id
         note = ""
     except AtelierError as exc:
         default = None
-        note = str(exc)
+        note = redact_paths(str(exc)) if services.settings.public else str(exc)
         if choices and backend == "diffusion":   # only hub entries: pick one, it downloads on first use
             default = choices[0][1]
-            note = "No local diffusion model yet: a hub model downloads on first use (several GB), or add a path below."
+            note = ("No local diffusion model yet: a hub model downloads on first use (several GB)"
+                    + (", or add a path below." if services.settings.visitor_may("add-model") else "."))
     return choices, default, note
 
 
@@ -297,7 +301,8 @@ def build_app(services: Services) -> gr.Blocks:
                                                       elem_id="precision-select", info=why or None, interactive=ok)
                             _toggle_controls(C, avail)
 
-                        with gr.Accordion("Add a model", open=False, elem_id="add-model"):
+                        with gr.Accordion("Add a model", open=False, elem_id="add-model",
+                                          visible=settings.visitor_may("add-model")):
                             with gr.Row():
                                 add_ref = gr.Textbox(label="File path or Hugging Face id",
                                                      placeholder="/models/ffhq.pkl  or  stabilityai/sd-turbo",
@@ -366,8 +371,9 @@ def build_app(services: Services) -> gr.Blocks:
                         charts_html = gr.HTML(panel.render_charts(snap0, rt.memory.series(), first.kind),
                                               elem_id="perf-charts")
                         timer = gr.Timer(SLOW_TICK_S)
-            build_train_tab(settings, train_manager, backend=C["backend"], model=C["model"],
-                            model_update=_picker_update, add_model=_known_model)
+            if settings.visitor_may("train"):   # public mode without --allow train: no tab, no endpoints
+                build_train_tab(settings, train_manager, backend=C["backend"], model=C["model"],
+                                model_update=_picker_update, add_model=_known_model)
 
         controls = [C[name] for name in CONTROL_NAMES]
         panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
@@ -375,9 +381,13 @@ def build_app(services: Services) -> gr.Blocks:
         memory_toggle = "memory" in avail          # memory savers are diffusion-only: shown with that backend
 
         # -- handlers ----------------------------------------------------------------------------
-        def switch_backend(backend: str, seed: str):
+        def owner_of(sess: SessionState | None) -> str | None:
+            """Whose added models a picker lists: a visitor's own in public mode; everyone's in local mode."""
+            return sess.id if (settings.public and sess is not None) else None
+
+        def switch_backend(backend: str, seed: str, sess: SessionState = None):
             """Show the controls of the chosen backend and its models."""
-            choices, default, note = _model_choices(services, backend)
+            choices, default, note = _model_choices(services, backend, owner_of(sess))
             sg = backend == "stylegan"
             if sg:
                 seed_update = gr.Textbox(label="Seeds (e.g. 0-7, 42)")
@@ -398,17 +408,23 @@ def build_app(services: Services) -> gr.Blocks:
                     gr.Dropdown(value=size_label(d["width"], d["height"])),
                     gr.Dropdown(value=sched if sched in schedulers else "default"))
 
-        def list_models(backend: str, current: str | None):
-            choices, default, note = _model_choices(services, backend)
+        def list_models(backend: str, current: str | None, sess: SessionState = None):
+            choices, default, note = _model_choices(services, backend, owner_of(sess))
             ids = [c[1] for c in choices]
             return gr.Dropdown(choices=choices, value=current if current in ids else default, info=note)
 
-        def add_model(ref: str, backend: str):
+        def add_model(ref: str, backend: str, sess: SessionState):
+            """Add a model by path or hub id (local mode: for everyone; public mode, where the host allows it:
+            for this session only)."""
+            if not settings.visitor_may("add-model"):
+                raise gr.Error("Adding models is off on this public studio: pick one from the model list "
+                               "(the host can allow it with --allow add-model).")
+            owner = owner_of(sess)
             try:
-                entry = services.catalogue.add(ref, backend)
+                entry = services.catalogue.add(ref, backend, owner=owner)
             except AtelierError as exc:
-                raise gr.Error(str(exc)) from None
-            choices, _default, note = _model_choices(services, backend)
+                raise gr.Error(rt.visitor_text(str(exc))) from None
+            choices, _default, note = _model_choices(services, backend, owner)
             return gr.Dropdown(choices=choices, value=entry.id, info=note), f"Added **{entry.id}** ({entry.source})."
 
         def roll_seed() -> str:
@@ -434,7 +450,7 @@ def build_app(services: Services) -> gr.Blocks:
             try:
                 spec = make_spec(v, settings.device)
             except AtelierError as exc:
-                raise gr.Error(str(exc)) from None
+                raise gr.Error(rt.visitor_text(str(exc))) from None
             ticket = rt.enqueue(sess, spec.kind)
             html = panel.render_progress(sess.tracker.snapshot(), rt.queue.position(ticket), rt.queue.counts()[0])
             sess.timer_interval = FAST_TICK_S
@@ -452,8 +468,8 @@ def build_app(services: Services) -> gr.Blocks:
                 t = sess.tickets.pop(int(ticket), None) if ticket else None
                 if t is not None:
                     rt.queue.leave(t)
-                sess.tracker.finish(FAILED, {}, message=str(exc))
-                raise gr.Error(str(exc)) from None
+                sess.tracker.finish(FAILED, {}, message=rt.visitor_text(str(exc)))
+                raise gr.Error(rt.visitor_text(str(exc))) from None
 
         def generate(backend=None, model=None, seed=None, sg_mode=None, truncation_psi=None, truncation_cutoff=None,
                      noise_mode=None, class_index=None, sg_batch_size=None, mix_rows=None, mix_cols=None, mix_from=None,
@@ -557,7 +573,7 @@ def build_app(services: Services) -> gr.Blocks:
             try:
                 vals = controls_from_params(meta)
             except AtelierError as exc:
-                raise gr.Error(str(exc)) from None
+                raise gr.Error(rt.visitor_text(str(exc))) from None
             out: dict = {}
             backend = vals.get("backend", "stylegan")
             choices, default, note = _model_choices(services, backend)
@@ -595,7 +611,7 @@ def build_app(services: Services) -> gr.Blocks:
             try:
                 params = read_png_params(path)
             except AtelierError as exc:
-                raise gr.Error(str(exc)) from None
+                raise gr.Error(rt.visitor_text(str(exc))) from None
             return path, params, None      # the drop zone empties, ready for the next file
 
         def send_png_params(params: dict | None):
@@ -619,16 +635,17 @@ def build_app(services: Services) -> gr.Blocks:
         # -- wiring ------------------------------------------------------------------------------
         fast = dict(queue=False, show_progress="hidden")
         diffusion_knobs = [C["steps"], C["guidance"], C["size"], C["scheduler"]]
-        C["backend"].input(switch_backend, [C["backend"], C["seed"]],
+        C["backend"].input(switch_backend, [C["backend"], C["seed"], session],
                            [C["model"], sg_group, df_group, C["seed"], C["memory_savers"]],
                            api_name="switch_backend", **fast
                            ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
                                   api_name="backend_model_defaults", **fast)
         C["model"].input(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name="model_defaults", **fast)
-        refresh_btn.click(list_models, [C["backend"], C["model"]], C["model"], api_name="list_models", **fast)
-        add_btn.click(add_model, [add_ref, C["backend"]], [C["model"], add_status], api_name="add_model", queue=False)
-        add_ref.submit(add_model, [add_ref, C["backend"]], [C["model"], add_status], api_name="add_model_submit",
-                       queue=False)
+        refresh_btn.click(list_models, [C["backend"], C["model"], session], C["model"], api_name="list_models", **fast)
+        add_btn.click(add_model, [add_ref, C["backend"], session], [C["model"], add_status], api_name="add_model",
+                      queue=False)
+        add_ref.submit(add_model, [add_ref, C["backend"], session], [C["model"], add_status],
+                       api_name="add_model_submit", queue=False)
         dice_btn.click(roll_seed, None, C["seed"], api_name="random_seed", **fast)
         for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
             tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
@@ -719,18 +736,41 @@ def mount_metrics(demo: gr.Blocks) -> None:
 
 def serve(services: Services, *, host: str | None = None, port: int | None = None, quiet: bool = False) -> gr.Blocks:
     """Build and start the studio without blocking; returns the running Blocks (`.local_url`, `.close()`)."""
+    from starlette.middleware import Middleware
+
     s = services.settings
+    warning = share_warning(s)
+    if warning and not quiet:    # before the share link is asked for: it must be read even if that fails
+        print(warning, file=sys.stderr, flush=True)
     demo = build_app(services)
     Path(s.output_dir).mkdir(parents=True, exist_ok=True)
+    limiter = LoginLimiter()
+    # the guard sits inside Gradio's own middleware and in front of every route, ours included
+    guard = Middleware(AccessGuard, auth=s.auth, limiter=limiter)
     demo.launch(server_name=host or s.host, server_port=port or s.port, share=s.share, auth=s.auth,
-                auth_message="Atelier studio: sign in" if s.auth else None, prevent_thread_lock=True, quiet=quiet,
-                show_error=True, allowed_paths=[str(Path(s.output_dir).resolve())], max_file_size=MAX_UPLOAD,
-                theme=make_theme(), css=load_css(), ssr_mode=False, footer_links=["api", "gradio"])
+                auth_message="Atelier studio: sign in" if s.auth else None, prevent_thread_lock=True, quiet=True,
+                show_error=not s.public, allowed_paths=[str(Path(s.output_dir).resolve())], max_file_size=MAX_UPLOAD,
+                theme=make_theme(), css=load_css(), ssr_mode=False, footer_links=["api", "gradio"],
+                app_kwargs={"middleware": [guard]})
+    demo.atelier_login_limiter = limiter
     mount_metrics(demo)
     from ui.a1111_api import mount_a1111_api
 
     mount_a1111_api(demo)
+    if not quiet:
+        print(startup_banner(s, demo), flush=True)
     return demo
+
+
+def startup_banner(s, demo) -> str:
+    """What `python app.py` prints: where the studio is, in which mode, and how to share it (our flags,
+    not Gradio's `launch(share=True)` hint)."""
+    lines = [f"Atelier studio ({s.mode} mode) on {demo.local_url}"]
+    if getattr(demo, "share_url", None):
+        lines.append(f"Public link: {demo.share_url}")
+    elif not s.on_space:
+        lines.append("For a public link: python app.py --share --auth user:password")
+    return "\n".join(lines)
 
 
 def launch(services: Services) -> None:
