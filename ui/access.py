@@ -88,7 +88,8 @@ def _cookies(headers: dict[bytes, bytes]) -> dict[str, str]:
 
 def strip_api_info(html: bytes) -> bytes:
     """The login page without the API description Gradio embeds in every page."""
-    return API_INFO.sub(b"window.gradio_api_info = null;</script>", html, count=1)
+    return API_INFO.sub(b'window.gradio_api_info = {"named_endpoints": {}, "unnamed_endpoints": {}};</script>',
+                         html, count=1)   # empty, not null: the page script reads it
 
 
 class AccessGuard:
@@ -98,6 +99,7 @@ class AccessGuard:
         self.app = app
         self.auth = auth
         self.limiter = limiter or LoginLimiter()
+        self._basic_token: str | None = None
 
     # -- checks ---------------------------------------------------------------------------------
     def _valid(self, user: str, pw: str) -> bool:
@@ -115,6 +117,20 @@ class AccessGuard:
         jar = _cookies(headers)
         token = jar.get(f"access-token-{cookie_id}") or jar.get(f"access-token-unsecure-{cookie_id}")
         return bool(token) and token in tokens
+
+    def _as_signed_in(self, scope, user: str):
+        """Basic credentials were right: hand Gradio's routes the sign-in cookie they check themselves
+        (one token for all Basic requests, kept in Gradio's own token table)."""
+        app = scope.get("app")
+        tokens, cookie_id = getattr(app, "tokens", None), getattr(app, "cookie_id", None)
+        if tokens is None or not cookie_id:
+            return scope
+        if self._basic_token is None or tokens.get(self._basic_token) != user:
+            self._basic_token = secrets.token_urlsafe(16)
+            tokens[self._basic_token] = user
+        headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"cookie"]
+        headers.append((b"cookie", f"access-token-{cookie_id}={self._basic_token}".encode()))
+        return {**scope, "headers": headers}
 
     # -- answers ----------------------------------------------------------------------------------
     @staticmethod
@@ -159,7 +175,7 @@ class AccessGuard:
                 return await self._too_many(scope, send, wait)
             if self._valid(*basic):
                 self.limiter.succeeded(client)
-                return await self.app(scope, receive, send)
+                return await self.app(self._as_signed_in(scope, basic[0]), receive, send)
             self.limiter.failed(client)
             return await self._refuse(scope, send, path)
         if self._signed_in(scope, headers):

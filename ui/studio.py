@@ -27,7 +27,7 @@ from pipelines.services import Services
 from pipelines.tools import optimization_availability
 from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
-from ui import panel
+from ui import panel, zerogpu
 from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
 from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, compare_spec, controls_from_params, job_spec,
@@ -371,7 +371,9 @@ def build_app(services: Services) -> gr.Blocks:
                         charts_html = gr.HTML(panel.render_charts(snap0, rt.memory.series(), first.kind),
                                               elem_id="perf-charts")
                         timer = gr.Timer(SLOW_TICK_S)
-            if settings.visitor_may("train"):   # public mode without --allow train: no tab, no endpoints
+            # no tab (and no endpoints) in public mode without --allow train, nor on ZeroGPU, whose GPU exists
+            # only inside a call of a few minutes
+            if settings.visitor_may("train") and not zerogpu.on_zerogpu():
                 build_train_tab(settings, train_manager, backend=C["backend"], model=C["model"],
                                 model_update=_picker_update, add_model=_known_model)
 

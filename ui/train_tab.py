@@ -99,6 +99,23 @@ def _snapshot(samples: Path, run: str) -> str | None:
     return str(out)
 
 
+def _check_visitor_data(settings: Settings, data: str) -> str:
+    """Public mode (with --allow train): training data only from the host's data folders, named by
+    visitors relative to one of them; nothing else on the server is reachable."""
+    roots = [Path(d).resolve() for d in settings.data_dirs]
+    if not roots:
+        raise gr.Error("Training is allowed on this studio, but the host has named no data folder "
+                       "(--data-dir or ATELIER_DATA_DIRS).")
+    rel = data.strip()
+    for root in roots:
+        candidate = (root / rel).resolve()
+        if rel and candidate.is_relative_to(root) and candidate.exists():
+            return str(candidate)
+    names = ", ".join(r.name for r in roots)
+    raise gr.Error(f"Training data must be a folder or file inside the host's data folders ({names}), "
+                   "named relative to one of them.")
+
+
 def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend: gr.Radio, model: gr.Dropdown,
                     model_update: Callable[[str, str | None], object], add_model: Callable[[str], str]) -> gr.Tab:
     """Lay out the Train tab (inside an open gr.Tabs) and wire it. `model_update(backend, select)` returns the
@@ -109,8 +126,12 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
         with gr.Row(elem_id="train-main", equal_height=False):
             with gr.Column(scale=4, min_width=330, elem_id="train-controls"):
                 C["data"] = gr.Textbox("", label="Training data", elem_id="train-data",
-                                       placeholder="/data/my_images  (a folder, a .zip, or an .npy/.npz array)",
-                                       info="a path on the studio's machine")
+                                       placeholder=("my_images  (in the host's data folders: "
+                                                    + ", ".join(Path(d).name for d in settings.data_dirs) + ")")
+                                       if settings.public else
+                                       "/data/my_images  (a folder, a .zip, or an .npy/.npz array)",
+                                       info="a folder or file in the host's data folders" if settings.public
+                                       else "a path on the studio's machine")
                 with gr.Row():
                     C["preset"] = gr.Dropdown(list(PRESETS), value="stylegan2", label="Preset", elem_id="train-preset",
                                               scale=2, min_width=120)
@@ -195,6 +216,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                     aug="ada", aug_p=0.0, auto_countermeasures=False, name="", resume=False, monitor_kimg=0,
                     log_every=0, view: TrainView = None):
         """Start a training run in a separate process; the live view follows it."""
+        if settings.public:
+            data = _check_visitor_data(settings, str(data or ""))
         try:
             req = TrainRequest(data=str(data or ""), preset=preset or "stylegan2", resolution=int(resolution or 0),
                                kimg=float(kimg or 0), minutes=float(minutes or 0), batch=int(batch or 0),
