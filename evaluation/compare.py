@@ -74,11 +74,26 @@ def reference_flags(flags: OptimizationFlags) -> OptimizationFlags:
     return OptimizationFlags(memory=tuple(flags.memory))
 
 
+def _worth_trying(request: GenerationRequest) -> str:
+    """A toggle that is fast on the device the request runs on, to suggest."""
+    import torch
+
+    from core.device import cpu_bf16
+
+    dev = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(dev).startswith("cuda"):
+        return "precision fp16"
+    fast, what = cpu_bf16()
+    return "precision bf16" if fast else (f"precision bf16, to see it: this CPU has {what}, so it will be slower "
+                                          "than fp32; the toggles pay off on a GPU")
+
+
 def comparison_request(request: GenerationRequest) -> tuple[GenerationRequest, list[str]]:
     """The request a comparison runs (at most MAX_COMPARE_IMAGES images) and notes about the cut."""
     if replace(request.flags, strict=False) == replace(reference_flags(request.flags), strict=False):
         raise InputError("Nothing to compare: every optimization is off, so your settings are the fp32 reference. "
-                         "Turn on a toggle in the Optimization panel (e.g. precision bf16), then press Compare.")
+                         f"Turn on a toggle in the Optimization panel (e.g. {_worth_trying(request)}), "
+                         "then press Compare.")
     notes: list[str] = []
     p = request.params
     if isinstance(p, StyleGANParams) and len(p.seeds) > MAX_COMPARE_IMAGES:

@@ -36,7 +36,12 @@ def mode_for(flags: OptimizationFlags, device: torch.device, kind: str, is_pipel
             return "fp32", f"TF32 needs an NVIDIA GPU of compute capability 8.0 or newer (Ampere+); {where(device)}; ran in fp32"
         return "tf32", None
     if device.type == "cpu" and p == "fp16":
-        return "fp32", "fp16 is not useful on the CPU (no fast fp16 kernels); ran in fp32 — use bf16 on the CPU"
+        from core.device import cpu_bf16
+
+        fast, what = cpu_bf16()
+        return "fp32", ("fp16 is not useful on the CPU (no fast fp16 kernels); ran in fp32"
+                        + (f" — use bf16 on the CPU (it has {what})" if fast else
+                           f" — fp32 is the fastest here (this CPU has {what}, so bf16 would be slower still)"))
     if device.type == "cuda" and p == "bf16" and not torch.cuda.is_bf16_supported():
         return "fp32", f"bf16 needs an Ampere or newer GPU; {where(device)}; ran in fp32"
     if kind == "diffusion" and is_pipeline and device.type == "cuda":

@@ -129,7 +129,12 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
         out["precision"] = (True, "fp32, tf32, fp16" + (", bf16" if bf16 else "") + " (weights cast for diffusion, "
                             "AMP autocast for StyleGAN)")
     else:
-        out["precision"] = (True, "fp32 and bf16 autocast on the CPU; tf32 and fp16 need a GPU")
+        from core.device import cpu_bf16
+
+        fast, what = cpu_bf16()
+        out["precision"] = (True, (f"fp32, or bf16 autocast (this CPU has {what}); tf32 and fp16 need a GPU" if fast else
+                                   f"fp32 is the fast one here: this CPU has {what}, so bf16 is emulated and many "
+                                   "times slower; tf32 and fp16 need a GPU"))
     out["channels_last"] = (True, "NHWC convolutions" + ("" if cuda else " (gains are largest on GPUs)"))
     xr = _attention.unavailable_reason("xformers", dev)
     out["attention"] = (True, "sdpa, math" + ("" if xr else ", xformers") + (f"; xformers: {xr}" if xr else ""))
