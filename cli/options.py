@@ -21,10 +21,13 @@ def add_optimization_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory", action="append", default=[],
                    choices=["attention-slicing", "vae-tiling", "vae-slicing", "cpu-offload"],
                    help="memory savers (repeatable)")
+    g.add_argument("--kernels", default="auto", metavar="SPEC",
+                   help="StyleGAN op implementations: auto (fused Triton kernels on a CUDA GPU), reference, "
+                        "or knob:choice pairs joined by '/' (e.g. fir:triton/up:subpixel-fused)")
     g.add_argument("--strict", action="store_true", help="fail instead of skipping a toggle that cannot run here")
 
 
 def flags_from_args(a: argparse.Namespace) -> OptimizationFlags:
     return OptimizationFlags(precision=a.precision, channels_last=a.channels_last, attention=a.attention,
                              compile=a.compile, fp8=a.fp8, prune_amount=a.prune, prune_method=a.prune_method,
-                             tensorrt=a.tensorrt, memory=tuple(a.memory), strict=a.strict)
+                             tensorrt=a.tensorrt, memory=tuple(a.memory), kernels=a.kernels, strict=a.strict)

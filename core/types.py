@@ -35,6 +35,7 @@ class OptimizationFlags:
     prune_method: str = "l1-unstructured"  # l1-unstructured | structured
     tensorrt: bool = False
     memory: tuple[str, ...] = ()       # attention-slicing, vae-tiling, vae-slicing, cpu-offload
+    kernels: str = "auto"              # StyleGAN op implementations: auto | reference | knob:choice/... (models.kernels)
     strict: bool = False               # a requested toggle that cannot run is an error, not a skip
 
     def __post_init__(self):
@@ -48,6 +49,9 @@ class OptimizationFlags:
             raise InputError(f"prune amount must be in [0, 1); got {self.prune_amount}")
         if self.prune_method not in ("l1-unstructured", "structured"):
             raise InputError(f"prune method must be l1-unstructured or structured; got {self.prune_method!r}")
+        if not isinstance(self.kernels, str) or not (self.kernels in ("auto", "reference") or ":" in self.kernels):
+            raise InputError(f"kernels must be auto, reference, or knob:choice pairs joined by '/' "
+                             f"(e.g. fir:triton/up:subpixel-fused); got {self.kernels!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -58,7 +62,8 @@ class OptimizationFlags:
         """The toggles these flags turn on (report names: precision, channels_last, attention, ...)."""
         on = {"precision": self.precision != "fp32", "channels_last": self.channels_last,
               "attention": self.attention != "sdpa", "compile": self.compile != "off", "fp8": self.fp8,
-              "prune": self.prune_amount > 0, "tensorrt": self.tensorrt, "memory": bool(self.memory)}
+              "prune": self.prune_amount > 0, "tensorrt": self.tensorrt, "memory": bool(self.memory),
+              "kernels": self.kernels != "auto"}
         return {name for name, v in on.items() if v}
 
     @classmethod

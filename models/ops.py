@@ -399,6 +399,8 @@ def modulated_conv2d(
     O, I, kh, kw = weight.shape
     assert_shape(x, [N, I, None, None], "modulated_conv2d input")
     assert_shape(styles, [N, I], "modulated_conv2d styles")
+    if fused_modconv and N > 1 and _impl["modconv"] == "auto":
+        fused_modconv = False
 
     # fp16 has a small range: scale weight and styles to max-abs 1 first. Demodulation
     # divides the scale back out, so the result is unchanged in exact arithmetic.
@@ -508,6 +510,9 @@ class FullyConnectedLayer(torch.nn.Module):
 #         nc1        two 1-D convs on an [N*C, 1, H, W] view: plain convs, 1 in / 1 out channel
 #         shifts     sums of shifted slices (polyphase for up): elementwise only, so that
 #                    torch.compile fuses it with its neighbours; many small kernels in eager
+#         triton     two 1-D passes of models/fir_triton.py's kernel (one read, one write per
+#                    axis, float32 sums, NCHW or channels_last); inference only: with autograd
+#                    recording, or where Triton cannot run, the grouped reference runs instead
 #   up    conv2d_resample with up > 1 and a k x k kernel (k > 1), down = 1:
 #         transpose          strided transposed conv, then the FIR (the reference above)
 #         subpixel           the transposed conv as one dense conv with up^2 x the output
@@ -522,6 +527,11 @@ class FullyConnectedLayer(torch.nn.Module):
 #         fused-stride FIR and conv folded into one strided conv with a (k+t-1)^2 kernel
 #         fused-s2d    the folded kernel on a space-to-depth (pixel-unshuffled) input: a dense
 #                      conv with down^2 x the input channels, stride 1
+#   modconv  modulated_conv2d's fused form (per-sample weights, one grouped conv):
+#         as-called  what the layer asks for (the reference)
+#         auto       fused at batch 1 only; at batch > 1 the activations are modulated around
+#                    one shared-weight dense conv, as NVlabs runs inference (a grouped conv with
+#                    groups = N is slow and its per-sample weights cost N x the weight memory)
 #   grad  how convolutions are differentiated:
 #         aten     PyTorch's own autograd for conv2d / conv_transpose2d
 #         gradfix  a custom autograd.Function whose backward is again made of convolutions, and
@@ -538,10 +548,11 @@ class FullyConnectedLayer(torch.nn.Module):
 # cannot run and the filter is assumed separable.
 
 IMPL_CHOICES: dict[str, tuple[str, ...]] = {
-    "fir": ("grouped", "separable", "nc1", "shifts"),
+    "fir": ("grouped", "separable", "nc1", "shifts", "triton"),
     "up": ("transpose", "subpixel", "subpixel-fused", "transpose-fused", "zero-insert-fused"),
     "down": ("blur-stride", "fused-stride", "fused-s2d"),
     "grad": ("aten", "gradfix"),
+    "modconv": ("as-called", "auto"),
 }
 DEFAULT_IMPL: dict[str, str] = {knob: choices[0] for knob, choices in IMPL_CHOICES.items()}
 _impl: dict[str, str] = dict(DEFAULT_IMPL)
@@ -723,6 +734,8 @@ def _upfirdn2d_variant(x, f, up, down, pad, flip_filter, gain) -> torch.Tensor |
     fy = fy * gain                           # the whole gain rides on one pass
     (upx, upy), (downx, downy) = up, down
     px0, px1, py0, py1 = pad
+    if kind == "triton":
+        return _fir_triton(x, fx, fy, upx, upy, downx, downy, pad, flip_filter)
     if kind == "shifts":
         channels_last = _is_channels_last(x)
         # Sum in float32: a 16-bit running sum would round after every tap (compiled, the casts
@@ -741,6 +754,39 @@ def _upfirdn2d_variant(x, f, up, down, pad, flip_filter, gain) -> torch.Tensor |
         if channels_last:
             y = y.contiguous(memory_format=torch.channels_last)
     return y
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """The Triton FIR kernels can run on x: its device has them, no gradient is being recorded, and
+    its dtype is one they sum exactly enough (float32 sums: float64 callers get the reference)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if torch.compiler.is_compiling():
+        return x.device.type == "cuda"       # Inductor compiles for CUDA through Triton: it is there
+    from models import fir_triton
+
+    return fir_triton.available(x.device)
+
+
+def _fir_triton(x, fx, fy, upx, upy, downx, downy, pad, flip_filter) -> torch.Tensor | None:
+    """upfirdn2d as two passes of the Triton kernel (W, then H); None = fall back to the reference."""
+    if not triton_usable(x):
+        return None
+    from models.fir_triton import fir1d_op
+
+    px0, px1, py0, py1 = pad
+    cx = (fx if flip_filter else fx.flip(0)).float()           # correlation taps
+    cy = (fy if flip_filter else fy.flip(0)).float()
+    if _is_channels_last(x):
+        # NHWC is a contiguous [N, H, W, C] view: filter along its dims 2 (W) and 1 (H).
+        t = x.permute(0, 2, 3, 1)
+        t = fir1d_op(t, cx, dim=2, up=upx, down=downx, pad0=px0, pad1=px1)
+        t = fir1d_op(t, cy, dim=1, up=upy, down=downy, pad0=py0, pad1=py1)
+        return t.permute(0, 3, 1, 2)
+    y = fir1d_op(x, cx, dim=3, up=upx, down=downx, pad0=px0, pad1=px1)
+    return fir1d_op(y, cy, dim=2, up=upy, down=downy, pad0=py0, pad1=py1)
 
 
 def _narrow_pad(x: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import InputError, ModelLoadError
+from models import ops
 from models.common import jsonable, load_state_strict, truncate
 
 __all__ = [
@@ -179,6 +180,76 @@ def filtered_lrelu(
     out_h = (h * up + py0 + py1 - (fu_h - 1) - (fd_h - 1) + (down - 1)) // down
     out_w = (w * up + px0 + px1 - (fu_w - 1) - (fd_w - 1) + (down - 1)) // down
 
+    separable = all(f is None or f.ndim == 1 for f in (up_filter, down_filter))
+    kind = ops._impl["fir"]
+    if separable and kind == "triton" and ops.triton_usable(x):
+        x = _filtered_lrelu_triton(x, up_filter, down_filter, bias, up, down, (px0, px1, py0, py1),
+                                   gain, slope, clamp)
+    elif separable and kind == "shifts":
+        x = _filtered_lrelu_shifts(x, up_filter, down_filter, bias, up, down, (px0, px1, py0, py1),
+                                   gain, slope, clamp)
+    else:
+        x = _filtered_lrelu_nc1(x, up_filter, down_filter, bias, up, down, (px0, px1, py0, py1),
+                                gain, slope, clamp)
+    assert x.shape[2] == out_h and x.shape[3] == out_w, (tuple(x.shape), out_h, out_w)
+    return x
+
+
+def _taps(f: torch.Tensor | None, device: torch.device, scale: float = 1.0) -> torch.Tensor:
+    """Correlation taps of a 1-D convolution filter (None = identity), gain folded in, float32."""
+    if f is None:
+        return torch.ones([1], dtype=torch.float32, device=device)
+    return (f.float() * scale).flip(0)
+
+
+def _filtered_lrelu_triton(x, up_filter, down_filter, bias, up, down, pad, gain, slope, clamp):
+    """Four passes of the Triton FIR kernel on NCHW: up along W (+ bias), up along H (+ leaky ReLU, gain,
+    clamp), down along H, down along W. Each pass reads its input once and writes its output once."""
+    from models.fir_triton import fir1d_op
+
+    n, c, h, w = x.shape
+    px0, px1, py0, py1 = pad
+    if up_filter is None and up != 1:
+        raise ValueError("upsampling by zero insertion needs an upsampling filter")
+    x = x.contiguous()
+    b = bias.to(x.dtype) if bias is not None else None
+    fu = _taps(up_filter, x.device, up)
+    fd = _taps(down_filter, x.device)
+    x = fir1d_op(x, fu, dim=3, up=up, pad0=px0, pad1=px1, bias=b, bias_div=h)
+    x = fir1d_op(x, fu, dim=2, up=up, pad0=py0, pad1=py1, slope=slope, act_gain=gain, clamp=clamp)
+    x = fir1d_op(x, fd, dim=2, down=down)
+    return fir1d_op(x, fd, dim=3, down=down)
+
+
+def _filtered_lrelu_shifts(x, up_filter, down_filter, bias, up, down, pad, gain, slope, clamp):
+    """The same op as sums of shifted slices (models.ops' `fir=shifts`): elementwise only, so
+    torch.compile fuses each pass (and the activation) into one generated kernel. Sums in float32."""
+    px0, px1, py0, py1 = pad
+    if up_filter is None and up != 1:
+        raise ValueError("upsampling by zero insertion needs an upsampling filter")
+    dtype = x.dtype
+    y = x.float()
+    if bias is not None:
+        y = y + bias.float().view(1, -1, 1, 1)
+    one = torch.ones([1], dtype=torch.float32, device=x.device)
+    fu = up_filter.float() * up if up_filter is not None else one
+    y = ops._fir_shifts_1d(y, fu, up, 1, px0, px1, False, dim=3)
+    y = ops._fir_shifts_1d(y, fu, up, 1, py0, py1, False, dim=2)
+    if slope != 1:
+        y = F.leaky_relu(y, slope)
+    y = y * gain
+    if clamp is not None:
+        y = y.clamp(-clamp, clamp)
+    fd = down_filter.float() if down_filter is not None else one
+    y = ops._fir_shifts_1d(y, fd, 1, down, 0, 0, False, dim=2)
+    y = ops._fir_shifts_1d(y, fd, 1, down, 0, 0, False, dim=3)
+    return y.to(dtype)
+
+
+def _filtered_lrelu_nc1(x, up_filter, down_filter, bias, up, down, pad, gain, slope, clamp):
+    """The reference: plain convolutions on an [N*C, 1, H, W] view (differentiable twice)."""
+    n, c, h, w = x.shape
+    px0, px1, py0, py1 = pad
     if bias is not None:
         x = x + bias.to(x.dtype).view(1, c, 1, 1)
 
@@ -201,10 +272,10 @@ def filtered_lrelu(
     fold_gain = down_filter is not None
     if slope != 1:
         x = F.leaky_relu(x, slope)
-    if clamp is not None:
-        x = x.clamp(-clamp / gain, clamp / gain) if fold_gain else x.clamp(-clamp, clamp)
     if gain != 1 and not fold_gain:
         x = x * gain
+    if clamp is not None:
+        x = x.clamp(-clamp / gain, clamp / gain) if fold_gain else x.clamp(-clamp, clamp)
 
     if down_filter is None:
         if down != 1:
@@ -215,9 +286,7 @@ def filtered_lrelu(
     else:
         x = F.conv2d(x, (down_filter * gain).flip([0, 1]).to(x.dtype)[None, None], stride=down)
 
-    x = x.reshape(n, c, x.shape[2], x.shape[3])
-    assert x.shape[2] == out_h and x.shape[3] == out_w, (tuple(x.shape), out_h, out_w)
-    return x
+    return x.reshape(n, c, x.shape[2], x.shape[3])
 
 
 def _full_precision(x: torch.Tensor):
@@ -242,10 +311,13 @@ def modulated_conv2d(
     The per-sample weights are built in fp32 and the batch runs as one grouped
     convolution (for batch 1, a plain convolution). Folding styles, demodulation
     and input gain into the small weight tensor costs no pass over the activations
-    and keeps the convolution's output at unit scale, which fp16 needs.
+    and keeps the convolution's output at unit scale, which fp16 needs. With the ops knob
+    modconv=auto and a batch > 1, the same numbers come from modulating the activations around
+    one shared-weight dense conv instead (see `models.ops`).
     """
     n, in_ch, h, w = x.shape
     out_ch, _, kh, kw = weight.shape
+    batched = n > 1 and ops._impl["modconv"] == "auto"
     with _full_precision(x):
         weight, styles = weight.float(), styles.float()
         if demodulate:
@@ -255,10 +327,18 @@ def modulated_conv2d(
             weight = weight * weight.square().mean([1, 2, 3], keepdim=True).rsqrt()
             styles = styles * styles.square().mean(dim=1, keepdim=True).rsqrt()
         wts = weight.unsqueeze(0) * styles.view(n, 1, in_ch, 1, 1)                   # [N, O, I, k, k]
-        if demodulate:
-            wts = wts * (wts.square().sum(dim=[2, 3, 4], keepdim=True) + 1e-8).rsqrt()
-        if input_gain is not None:
-            wts = wts * input_gain.float().expand(n, in_ch).view(n, 1, in_ch, 1, 1)
+        dcoefs = (wts.square().sum(dim=[2, 3, 4]) + 1e-8).rsqrt() if demodulate else None   # [N, O]
+        gain = input_gain.float().expand(n, in_ch) if input_gain is not None else None      # [N, I]
+        if not batched:
+            if demodulate:
+                wts = wts * dcoefs.view(n, out_ch, 1, 1, 1)
+            if gain is not None:
+                wts = wts * gain.view(n, 1, in_ch, 1, 1)
+    if batched:
+        scale_in = styles * gain if gain is not None else styles
+        x = x * scale_in.to(x.dtype).view(n, in_ch, 1, 1)
+        x = F.conv2d(x, weight.to(x.dtype), padding=padding)
+        return x * dcoefs.to(x.dtype).view(n, out_ch, 1, 1) if dcoefs is not None else x
     x = x.reshape(1, n * in_ch, h, w)
     x = F.conv2d(x, wts.reshape(n * out_ch, in_ch, kh, kw).to(x.dtype), padding=padding, groups=n)
     return x.reshape(n, out_ch, x.shape[2], x.shape[3])

@@ -6,6 +6,7 @@ Seeds map to z exactly as NVlabs' gen_images.py does
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -15,7 +16,10 @@ import torch
 from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import InputError
 from core.types import GenerationRequest, GenerationResult, Job, OptimizationFlags, StyleGANParams
-from pipelines.base import image_grid, module_bytes, to_uint8_images
+from models import kernels as _kernels
+from models import ops
+from optim.report import applied, ordered
+from pipelines.base import image_grid, module_bytes, to_uint8_array, to_uint8_images, uint8_to_images
 import optim
 
 
@@ -32,8 +36,18 @@ class StyleGANPipeline:
         self.device = device
         self.flags = flags
         G = loaded.G.to(device).eval().requires_grad_(False)
-        self.G, self.optimizations = optim.prepare(G, flags, device, kind="stylegan", cache_dir=cache_dir,
-                                                   weights_hash=loaded.sha256)
+        # Op implementations first: a bad spec is the user's error, before any slow preparation.
+        self.kernels, kernels_note = _kernels.resolve(flags.kernels, device, compiled=flags.compile != "off")
+        self.G, report = optim.prepare(G, flags, device, kind="stylegan", cache_dir=cache_dir,
+                                       weights_hash=loaded.sha256)
+        self.optimizations = ordered({**report, "kernels": applied(kernels_note, ops=dict(self.kernels))})
+
+    def _running(self):
+        """Context for every generator call: the precision runtime and the chosen op implementations."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(optim.runtime(self.flags, self.device))
+        stack.enter_context(ops.use_impl(**self.kernels))
+        return stack
 
     # -- shape/range checks before any device work ---------------------------------
     def check_inputs(self, p: StyleGANParams) -> None:
@@ -61,7 +75,7 @@ class StyleGANPipeline:
         return mode
 
     def _synthesize(self, z: torch.Tensor, c: torch.Tensor, p: StyleGANParams) -> torch.Tensor:
-        with optim.runtime(self.flags, self.device):
+        with self._running():
             img = self.G(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff,
                          noise_mode=p.noise_mode)
         return img.float()
@@ -79,18 +93,23 @@ class StyleGANPipeline:
         with job.stage("latents"):
             zs = np.concatenate([seed_to_z(s, G.z_dim) for s in p.seeds])
         # 3. synthesis in batches, one progress step per batch
-        outs = []
+        # Pixels are made on the device (only uint8 crosses to the host for the images), and the
+        # finiteness check stays there too: one host sync per batch, at the copy.
+        outs, pixels, finite = [], [], []
         n_batches = math.ceil(len(p.seeds) / p.batch_size)
         with job.stage("synthesis"):
             for b in range(n_batches):
-                zb = torch.from_numpy(zs[b * p.batch_size:(b + 1) * p.batch_size]).to(self.device)
-                outs.append(self._synthesize(zb, self._label(p.class_index, len(zb)), p).cpu())
+                zb = torch.from_numpy(zs[b * p.batch_size:(b + 1) * p.batch_size]).to(self.device, non_blocking=True)
+                img = self._synthesize(zb, self._label(p.class_index, len(zb)), p)
+                finite.append(torch.isfinite(img).all())
+                pixels.append(to_uint8_array(img))
+                outs.append(img.cpu())
                 job.step(b + 1, n_batches)
-        raw = torch.cat(outs).numpy().astype(np.float32)
+        raw = torch.cat(outs).numpy()
         # 4. postprocess
         with job.stage("postprocess"):
-            images = to_uint8_images(raw)
-        if not np.isfinite(raw).all():
+            images = uint8_to_images(np.concatenate(pixels))
+        if not bool(torch.stack(finite).all()):
             raise InputError("the generator produced non-finite values (NaN/Inf) with these settings; "
                              "try fp32 precision or a smaller truncation ψ")
         total_ms = sum(job.timings_ms.values())
@@ -123,7 +142,7 @@ class StyleGANPipeline:
         seeds = list(dict.fromkeys(list(row_seeds) + list(col_seeds)))
         z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
         c = self._label(p.class_index, len(seeds))
-        with torch.no_grad(), optim.runtime(self.flags, self.device):
+        with torch.no_grad(), self._running():
             ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
             w_of = {s: ws[i] for i, s in enumerate(seeds)}
             pairs = [(r, cc) for r in row_seeds for cc in col_seeds]
@@ -158,7 +177,7 @@ class StyleGANPipeline:
         c = self._label(p.class_index, len(seeds))
         frames = []
         total = len(seeds) * frames_per_seed
-        with torch.no_grad(), optim.runtime(self.flags, self.device):
+        with torch.no_grad(), self._running():
             ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
             k = 0
             for i in range(len(seeds)):

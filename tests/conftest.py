@@ -9,6 +9,11 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared"
 TESTDATA = SHARED / "testdata"
 
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/test_kernels.py). Triton reads
+# this when it is imported, so it is set before any test module imports it.
+if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

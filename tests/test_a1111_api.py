@@ -57,9 +57,11 @@ def test_txt2img_answers_in_a1111_shape(studio, sd):
     assert "Seed: 42" in text and info["infotexts"][0] == text
     ours = read_png_params(first)                                  # Atelier's own chunk rides along
     assert ours["seed"] == 42 and ours["scheduler"] == "dpm++2m-karras"
-    # the same seed through the API and through the pipeline directly: the same pixels
+    # the same seed alone (batch 1, not the first of a batch of 2): the same picture. To rounding, not bit for
+    # bit: a different batch size may run other kernels, which round differently (a level at most in 8 bits)
     again = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1}, timeout=300).json()
-    assert np.array_equal(np.asarray(_decode(again["images"][0])), np.asarray(first))
+    diff = np.abs(np.asarray(_decode(again["images"][0]), dtype=int) - np.asarray(first, dtype=int))
+    assert diff.max() <= 1, f"seed 42 alone differs from seed 42 in a batch by up to {diff.max()} levels"
 
 
 def test_save_images_keeps_files_and_send_images_false_sends_none(studio):

@@ -1,6 +1,7 @@
 """`python app.py bench` on the CPU with tiny real models: rows on disk, skips and failures that do not stop
 the run, drift and FLOPs, time budgets, isolated cases, and the merged report."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,17 @@ def results(out: Path) -> dict[tuple[str, int], dict]:
 
 def bench(out: Path, *args: str) -> int:
     return bench_main(["--out", str(out), "--device", "cpu", "--quiet", *map(str, args)])
+
+
+def hang_new_pythons(monkeypatch, tmp_path: Path) -> None:
+    """From here on every Python process started from this one hangs at startup (a sitecustomize on
+    PYTHONPATH that never returns): an isolated case's child is then really hung, rather than merely
+    slower than a short --config-timeout, which a fast machine could beat."""
+    site = tmp_path / "hang-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import time\nwhile True:\n    time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH"))
+                                                     if p))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +163,7 @@ def test_sdxl_tiny_runs_both_text_towers(tmp_path):
 
 
 @pytest.mark.slow
-def test_isolated_cases_run_in_children_and_a_hung_case_is_killed(tmp_path):
+def test_isolated_cases_run_in_children_and_a_hung_case_is_killed(tmp_path, monkeypatch):
     rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "fp32,bf16", "--batches", "1", "--repeats", "1",
                "--isolate", "--profile", "none", "--no-report")
     assert rc == 0
@@ -161,6 +173,7 @@ def test_isolated_cases_run_in_children_and_a_hung_case_is_killed(tmp_path):
     assert res[("bf16", 1)]["drift"]["psnr_db"] > 20           # the reference crossed processes through the npz
 
     out2 = tmp_path / "hung"
+    hang_new_pythons(monkeypatch, tmp_path)
     rc = bench(out2, "--workload", "sg2-tiny", "--configs", "fp32", "--batches", "1", "--isolate",
                "--config-timeout", "0.5", "--no-report")
     assert rc == 0

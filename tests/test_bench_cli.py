@@ -184,8 +184,11 @@ def test_isolation_modes_parse():
 
 # -- running: isolation, early skips, cleanup ----------------------------------------------------------------
 
-def test_isolate_compiled_runs_only_compiled_cases_in_a_child(tmp_path):
+def test_isolate_compiled_runs_only_compiled_cases_in_a_child(tmp_path, monkeypatch):
+    from tests.test_bench import hang_new_pythons
+
     out = tmp_path / "iso"
+    hang_new_pythons(monkeypatch, tmp_path)        # the child hangs for sure: its kill does not hang on speed
     rc = bench_main(["--out", str(out), "--device", "cpu", "--quiet", "--no-report", "--workload", "sg2-tiny",
                      "--configs", "fp32,cc@precision=fp32+compile=default", "--batches", "1", "--repeats", "1",
                      "--profile", "none", "--isolate", "compiled", "--config-timeout", "1"])
@@ -193,7 +196,8 @@ def test_isolate_compiled_runs_only_compiled_cases_in_a_child(tmp_path):
     res = {r["config"]: r for r in _rows(out / "bench.jsonl", "result")}
     starts = {r["config"]: r for r in _rows(out / "bench.jsonl", "start")}
     assert res["fp32"]["status"] == "ok" and starts["fp32"]["pid"] == os.getpid()     # eager: in this process
-    # the compiled case went to a child process, which the 1-second timeout killed (an in-process case cannot be)
+    # the compiled case went to a child process (hung here), which the 1-second timeout killed (an in-process
+    # case cannot be)
     assert res["cc"]["status"] == "failed" and "timed out" in res["cc"]["reason"]
     assert "cc" not in starts or starts["cc"]["pid"] != os.getpid()
 

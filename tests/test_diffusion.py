@@ -1,4 +1,4 @@
-"""Diffusion generation on tiny real pipelines (CPU): exact equality with diffusers, cancel, progress,
+"""Diffusion generation on tiny real pipelines (CPU): equality with diffusers (to rounding), cancel, progress,
 NaN guard, safety checker, input checks, schedulers, PNG round trip."""
 from __future__ import annotations
 
@@ -60,15 +60,27 @@ def nchw(images_nhwc: np.ndarray) -> np.ndarray:
     return images_nhwc.transpose(0, 3, 1, 2)
 
 
-# -- reproducibility: the same bits as diffusers' own pipeline --------------------------------------------
+# Ours and diffusers' pipeline are two separately built models that compute the same thing: they match to
+# float rounding (pixel values in [0, 1]), not bit for bit, which a different CPU or torch build may break.
+# A wrong seed, scheduler, guidance or prompt changes pixels by far more than this.
+ATOL = 1e-5
 
-def test_txt2img_equals_diffusers_bit_for_bit(sd, reference):
+
+def assert_same_image(ours: np.ndarray, ref_nhwc: np.ndarray) -> None:
+    assert ours.shape == nchw(ref_nhwc).shape
+    np.testing.assert_allclose(ours, nchw(ref_nhwc), rtol=0, atol=ATOL)
+
+
+# -- reproducibility: the same images as diffusers' own pipeline ------------------------------------------
+
+def test_txt2img_equals_diffusers(sd, reference):
     res = generate(sd, seed=1234)
     ref = reference(PROMPT, negative_prompt="dog", num_inference_steps=3, guidance_scale=6.0, width=64, height=64,
                     generator=torch.Generator("cpu").manual_seed(1234), output_type="np").images
     assert res.raw.dtype == np.float32 and res.raw.shape == (1, 3, 64, 64)
-    assert np.array_equal(res.raw, nchw(ref))
-    assert np.array_equal(np.asarray(res.images[0]), np.asarray(reference.numpy_to_pil(ref)[0]))
+    assert_same_image(res.raw, ref)
+    pixels = np.asarray(res.images[0], dtype=int) - np.asarray(reference.numpy_to_pil(ref)[0], dtype=int)
+    assert np.abs(pixels).max() <= 1                                    # 8-bit: one level of rounding at most
     assert res.notes == [] and not res.cancelled
     m = res.metadata[0]
     for key in ("backend", "model", "model_hash", "prompt", "negative_prompt", "seed", "steps", "guidance", "scheduler",
@@ -83,7 +95,7 @@ def test_batch_uses_one_cpu_seed_per_image(sd, reference):
     gens = [torch.Generator("cpu").manual_seed(s) for s in (40, 41)]
     ref = reference(PROMPT, negative_prompt="dog", num_inference_steps=3, guidance_scale=6.0, width=64, height=64,
                     num_images_per_prompt=2, generator=gens, output_type="np").images
-    assert np.array_equal(res.raw, nchw(ref))
+    assert_same_image(res.raw, ref)
     assert [m["seed"] for m in res.metadata] == [40, 41]
     # the second image is the seed-41 image: reproducible alone from its own PNG metadata
     alone = generate(sd, seed=41)
@@ -101,7 +113,7 @@ def test_img2img_equals_diffusers(sd, sd_folder, tmp_path):
     ref_pipe = StableDiffusionImg2ImgPipeline.from_pretrained(str(sd_folder))
     ref = ref_pipe(PROMPT, negative_prompt="dog", image=init, strength=0.6, num_inference_steps=5, guidance_scale=6.0,
                    generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
-    assert np.array_equal(res.raw, nchw(ref))
+    assert_same_image(res.raw, ref)
     assert res.metadata[0]["task"] == "img2img" and res.metadata[0]["strength"] == 0.6
 
 
@@ -125,7 +137,7 @@ def test_sdxl_equals_diffusers(sdxl_folder):
     ref = StableDiffusionXLPipeline.from_pretrained(str(sdxl_folder))(
         PROMPT, num_inference_steps=2, guidance_scale=6.0, width=64, height=64,
         generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
-    assert np.array_equal(res.raw, nchw(ref))
+    assert_same_image(res.raw, ref)
 
 
 def test_sdxl_img2img_equals_diffusers(sdxl_folder):
@@ -138,7 +150,7 @@ def test_sdxl_img2img_equals_diffusers(sdxl_folder):
     ref = StableDiffusionXLImg2ImgPipeline.from_pretrained(str(sdxl_folder))(
         PROMPT, image=init, strength=0.5, num_inference_steps=4, guidance_scale=6.0,
         generator=torch.Generator("cpu").manual_seed(7), output_type="np").images
-    assert np.array_equal(res.raw, nchw(ref))
+    assert_same_image(res.raw, ref)
 
 
 # -- progress, previews and cancel ----------------------------------------------------------------------------
@@ -177,7 +189,7 @@ def test_cancel_stops_within_one_step_and_next_job_runs(sd, reference):
     assert not after.cancelled and len(unet_calls) == 4      # PNDM (PLMS): 3 steps = 4 UNet calls
     ref = reference(PROMPT, negative_prompt="dog", num_inference_steps=3, guidance_scale=6.0, width=64, height=64,
                     generator=torch.Generator("cpu").manual_seed(5), output_type="np").images
-    assert np.array_equal(after.raw, nchw(ref))
+    assert_same_image(after.raw, ref)
 
 
 # -- NaN guard and safety checker -----------------------------------------------------------------------------

@@ -36,6 +36,14 @@ def run(loaded, **kw):
     return DiffusionPipeline(loaded, OptimizationFlags(), CPU).generate(GenerationRequest("diffusion", loaded.ref, p), Job())
 
 
+def assert_same_images(a, b) -> None:
+    """Two loads of one model from different files (single file or .ckpt against the folder) build their
+    modules separately: the same image to float rounding (pixels in [0, 1]), not necessarily bit for bit.
+    A weight lost or misplaced by the conversion changes pixels by far more."""
+    assert a.raw.shape == b.raw.shape
+    np.testing.assert_allclose(a.raw, b.raw, rtol=0, atol=1e-5)
+
+
 # -- detection --------------------------------------------------------------------------------------------------
 
 UNET_IN = "model.diffusion_model.input_blocks.0.0.weight"
@@ -130,7 +138,7 @@ def test_single_file_loads_like_the_folder(tiny, name):
     assert single.source == "single-file" and single.arch == folder.arch
     assert single.hash == hashlib.sha256(f.read_bytes()).hexdigest()[:10]     # A1111's "Model hash"
     assert single.size_bytes == f.stat().st_size
-    assert np.array_equal(run(single).raw, run(folder).raw)
+    assert_same_images(run(single), run(folder))
 
 
 def test_single_file_with_bundled_config_fails_clearly_on_wrong_sizes(tiny):
@@ -166,7 +174,7 @@ def test_ckpt_read_weights_only(tiny, tmp_path):
     torch.save({"state_dict": sd, "global_step": 1000}, ckpt)
     loaded = load_diffusion(str(ckpt), single_file_config=tiny / "tiny-sd")
     assert loaded.arch == "sd15"
-    assert np.array_equal(run(loaded).raw, run(load_diffusion(str(tiny / "tiny-sd"))).raw)
+    assert_same_images(run(loaded), run(load_diffusion(str(tiny / "tiny-sd"))))
 
 
 class Payload:

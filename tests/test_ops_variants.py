@@ -51,7 +51,8 @@ def impl_id(impl: dict) -> str:
 
 def test_default_is_the_reference_and_settings_are_validated():
     assert ops.get_impl() == ops.DEFAULT_IMPL
-    assert ops.DEFAULT_IMPL == {"fir": "grouped", "up": "transpose", "down": "blur-stride", "grad": "aten"}
+    assert ops.DEFAULT_IMPL == {"fir": "grouped", "up": "transpose", "down": "blur-stride", "grad": "aten",
+                                "modconv": "as-called"}
     with pytest.raises(InputError, match="unknown ops implementation knob"):
         ops.set_impl(blur="nc1")
     with pytest.raises(InputError, match="choose one of"):

@@ -146,8 +146,8 @@ def test_graphs_not_captured_as_cuda_graphs_are_reported(dynamo_clean):
     compiled.forward = oc._BucketedCall(compiled.forward, net, oc.BucketTracker(report), "module", True, None, "")
     x = torch.randn(2, 3, 8, 8)
     out = compiled(x)
-    with torch.no_grad():
-        assert torch.equal(out, net(x))
+    with torch.no_grad():   # compiled against eager: to float rounding (a traced graph may fuse or reorder)
+        torch.testing.assert_close(out, net(x), rtol=1e-5, atol=1e-6)
     assert set(report["cudagraph_skips"]) == {"2x8x8"} and "without CUDA graphs" in report["cudagraph_skips"]["2x8x8"]
     compiled(torch.randn(1, 3, 8, 8))                      # every new shape is checked on its first run
     assert set(report["cudagraph_skips"]) == {"2x8x8", "1x8x8"}

@@ -81,7 +81,9 @@ def test_quantize_linears_with_real_torchao_float8(torchao_fp8_anywhere):
         compiled = torch.compile(net, backend="aot_eager", fullgraph=True)(x)
     assert out.dtype == torch.float32 and out.shape == (2, 5, 40)
     assert 0.005 < rel_err(ref, out) < 0.08              # FP8 really ran (bf16 alone is ~0.3 %), and stays close
-    assert torch.equal(compiled, out)
+    # compiled against eager: the same FP8 computation, to rounding (not bit for bit: a traced graph may
+    # order or fuse the scaling differently); a compiled graph that lost the FP8 path would be >= 0.5 % off
+    assert rel_err(out, compiled) < 1e-3
 
 
 def _big_unet():

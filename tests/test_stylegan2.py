@@ -295,7 +295,8 @@ def test_discriminator_dropout_and_mbstd_options(networks):
     x = torch.randn(4, 3, 32, 32)
     D.eval()
     with torch.no_grad():
-        assert torch.equal(D(x), plain(x))  # dropout is off in eval mode
+        # dropout is off in eval mode: the same scores as the D built without it (to rounding: two builds)
+        torch.testing.assert_close(D(x), plain(x), rtol=1e-5, atol=1e-6)
         D.train()
         torch.manual_seed(1)
         a = D(x)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -13,15 +12,21 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> torch.distributed.TCPStore:
+    """The ranks' rendezvous store, hosted here on a port bound before anyone is told it (port 0: the kernel
+    picks a free one and the store keeps it open). Picking a free port, closing it and letting rank 0 bind it
+    later races with every other process on the box; this is how torchrun's agent hosts the store too."""
+    from datetime import timedelta
+
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=300))
 
 
 def _worker(rank: int, world: int, port: int, data: str, out: str, result_dir: str) -> None:
+    # TORCHELASTIC_USE_AGENT_STORE: every rank joins the store as a client (none tries to bind the port)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     torch.set_num_threads(1)
     from training import distributed as dist_utils
     from training.config import build_config
@@ -47,8 +52,12 @@ def _worker(rank: int, world: int, port: int, data: str, out: str, result_dir: s
 def test_two_ranks_stay_in_sync(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "d.npy", rng.integers(0, 256, size=(24, 16, 16, 3), dtype=np.uint8))
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "d.npy"), str(tmp_path / "run"), str(tmp_path)),
-             nprocs=2, join=True)
+    store = _rendezvous_store()
+    try:
+        mp.spawn(_worker, args=(2, store.port, str(tmp_path / "d.npy"), str(tmp_path / "run"), str(tmp_path)),
+                 nprocs=2, join=True)
+    finally:
+        del store
     r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert all(x["in_sync"] for x in r)                      # DDP averaged the gradients identically
     assert r[0]["batch_gpu"] == r[1]["batch_gpu"] == 4       # the global batch of 8 is split

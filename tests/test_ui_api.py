@@ -2,6 +2,7 @@
 Real StyleGAN pickles from shared/testdata; each test reads what really came back (files, PNG metadata)."""
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.error
@@ -54,6 +55,23 @@ def wait_for_step(c: Client, min_step: int = 2, timeout: float = 120.0) -> int:
             return int(m.group(1))
         time.sleep(0.1)
     raise AssertionError(f"the job never reached step {min_step} in {timeout:.0f} s; progress: {progress}")
+
+
+def queue_size(demo) -> int:
+    """Events waiting in the server's Gradio queue (its own /queue/status), not counting running ones."""
+    with urllib.request.urlopen(demo.local_url + "gradio_api/queue/status", timeout=30) as r:
+        return int(json.loads(r.read())["queue_size"])
+
+
+def wait_for_queue_size(demo, n: int, timeout: float = 60.0) -> None:
+    """Poll until the server's queue holds exactly `n` waiting events (a hang guard, not a time budget)."""
+    deadline, size = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        size = queue_size(demo)
+        if size == n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server's queue never held {n} waiting events in {timeout:.0f} s (it holds {size})")
 
 
 def test_listens_on_localhost_by_default(studio):
@@ -149,9 +167,7 @@ def test_stop_really_stops_and_the_next_job_runs(studio, client):
     job = client.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")
     step = wait_for_step(client, 3)
     client.predict(api_name="/stop")
-    t0 = time.time()
-    out = job.result(timeout=30)
-    assert time.time() - t0 < 10
+    out = job.result(timeout=120)                     # hang guard; promptness is the step count below
     m = re.search(r"Stopped at step (\d+)/2001", out[2])
     assert m, out[2]
     assert step <= int(m.group(1)) < 2001
@@ -206,27 +222,95 @@ def test_diffusion_without_a_model_name_uses_a_diffusion_model(client, tiny_sd):
     assert read_png_params(gallery_paths(gallery)[0])["backend"] == "diffusion"
 
 
-PANEL_CLIENT = r"""
-import sys, httpx
-with httpx.Client() as c:
-    for _ in range(int(sys.argv[2])):
-        assert c.post(sys.argv[1], json={"data": [None], "session_hash": "cost-probe"}).status_code == 200
-"""
+PANEL_SESSION = "panel-probe"
+POLYLINE = re.compile(r'<polyline points="([^"]*)"')
 
 
-def test_panel_refresh_costs_under_one_percent(studio):
-    """One timer tick (HTTP, memory read, HTML) must cost the server < 5 ms of CPU: at 2 Hz that is
-    < 1% of a core, and the GIL is held < 1% of the time a generation thread needs it."""
-    import subprocess
-    import sys
+def _tick(http, studio, api: str = "telemetry") -> tuple[list, int]:
+    """One panel refresh over HTTP, as the browser's timer sends it: (outputs, response bytes)."""
+    r = http.post(studio.local_url + f"gradio_api/run/{api}", json={"data": [None], "session_hash": PANEL_SESSION})
+    assert r.status_code == 200, r.text[:500]
+    return r.json()["data"], len(r.content)
 
-    url = studio.local_url + "gradio_api/run/telemetry"
-    subprocess.run([sys.executable, "-c", PANEL_CLIENT, url, "5"], check=True, timeout=60)   # warm
-    n = 150
-    cpu0 = time.process_time()                     # this process = the server (the client is another one)
-    subprocess.run([sys.executable, "-c", PANEL_CLIENT, url, str(n)], check=True, timeout=120)
-    per_tick_ms = (time.process_time() - cpu0) / n * 1e3
-    assert per_tick_ms < 5.0, f"a panel refresh costs the server {per_tick_ms:.2f} ms of CPU"
+
+class _Tripwire:
+    """Stands in for the model manager: any use of it by a panel tick is recorded (and fails that tick)."""
+
+    def __init__(self):
+        self.touched: list[str] = []
+
+    def __getattr__(self, name):
+        self.touched.append(name)
+        raise AssertionError(f"a panel tick used the model manager ({name})")
+
+
+def test_panel_refresh_is_cheap_by_construction(studio, monkeypatch):
+    """A timer tick (every open tab, 2 Hz while a job runs) must stay cheap and must never wait for the
+    GPU. Counted, not timed (a loaded CI box makes any CPU-time budget flaky):
+    - it never touches the model manager, and it answers while the GPU lock is held (as during a job);
+    - it reads the device at most once per MemoryHistory interval, however many ticks arrive
+      (a frozen clock: 40 ticks in one interval = exactly 1 read, the next interval = 1 more);
+    - the timer component is re-sent only when its interval changes (once here), not on every tick;
+    - the answer stays small with a long job's history: charts are downsampled to <= 240 points."""
+    import types
+
+    import httpx
+
+    import telemetry.live as live
+    from core.types import ProgressEvent
+    from telemetry.live import STOPPED, MemoryHistory
+
+    rt = studio.atelier_runtime
+    now = {"t": time.time()}
+    monkeypatch.setattr(live, "time", types.SimpleNamespace(time=lambda: now["t"], perf_counter=time.perf_counter))
+    reads: list = []
+    real_reader = rt.memory._read
+
+    def counting_reader(device):
+        reads.append(device)
+        return real_reader(device)
+
+    history = MemoryHistory(rt.device, reader=counting_reader)      # this test's own, on the frozen clock
+    monkeypatch.setattr(rt, "memory", history)
+    for _ in range(700):                                              # more than the 5-minute window holds
+        now["t"] += history.min_interval_s
+        history.sample()
+    assert len(reads) == 700
+
+    with httpx.Client(timeout=60) as http:                           # hang guard only
+        _tick(http, studio, "page_load")                              # registers the session, as a page load does
+        sess = rt._sessions[PANEL_SESSION]
+        sess.tracker.start("images")                                  # a long job's worth of steps
+        for i in range(1, 20001):
+            sess.tracker.on_progress(ProgressEvent("synthesis", i, 20000, 3.0 + i % 7))
+        manager = _Tripwire()
+        monkeypatch.setattr(rt.services, "manager", manager)
+        assert rt.gpu_lock.acquire(timeout=60), "a job still holds the GPU lock"
+        try:
+            now["t"] += history.min_interval_s                        # a new interval: one read is due
+            reads.clear()
+            t0 = time.perf_counter()
+            ticks = [_tick(http, studio) for _ in range(40)]
+            wall_ms = (time.perf_counter() - t0) / len(ticks) * 1e3
+            first_interval_reads = len(reads)
+            now["t"] += history.min_interval_s
+            ticks += [_tick(http, studio) for _ in range(10)]
+        finally:
+            rt.gpu_lock.release()
+            sess.tracker.finish(STOPPED, {}, message="probe over")
+
+    assert manager.touched == []
+    assert first_interval_reads == 1 and len(reads) == 2, reads
+    timer_updates = [out[6] for out, _ in ticks if "value" in out[6]]
+    assert len(timer_updates) == 1 and ticks[0][0][6]["value"] == 0.5     # idle 2 s -> running 0.5 s, once
+    assert all(out[6] == {"__type__": "update"} for out, _ in ticks[1:])   # then gr.skip(): nothing re-sent
+    _device, vram, job, _latency, charts, progress, _timer = ticks[-1][0]
+    assert "step 20000/20000" in progress and "running" in job and MEM_FIGURE.search(vram)
+    lines = POLYLINE.findall(charts)
+    assert len(lines) == 2 and all(0 < len(pts.split()) <= 240 for pts in lines), [len(p.split()) for p in lines]
+    biggest = max(size for _, size in ticks)
+    assert biggest < 32 * 1024, f"a panel refresh sends {biggest} bytes"    # about 12 KiB with full charts
+    print(f"\npanel tick (report only, not asserted): {wall_ms:.2f} ms wall per HTTP round trip, {biggest} bytes")
 
 
 def test_metrics_endpoint(studio, client):
@@ -244,13 +328,13 @@ def test_full_queue_is_refused_with_a_clear_message(tmp_path, testdata):
         running = a.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")
         wait_for_step(a, 1)
         waiting = b.submit(backend="stylegan", seed="0", api_name="/generate")
-        time.sleep(1.0)                                    # b now holds the one waiting place
+        wait_for_queue_size(demo, 1)                       # the server says b holds the one waiting place
         with pytest.raises(Exception, match="(?i)queue is full"):
             c.predict(backend="stylegan", seed="0", api_name="/generate")
         waiting.cancel()                                   # free the place (the client's own cancel)
-        time.sleep(0.5)
+        wait_for_queue_size(demo, 0)                       # ... and the server has let it go
         a.predict(api_name="/stop")
-        assert "Stopped" in running.result(timeout=30)[2]
+        assert "Stopped" in running.result(timeout=60)[2]
         gallery = c.predict(backend="stylegan", seed="4", api_name="/generate")[0]   # room again
         assert len(gallery) == 1
 

@@ -86,36 +86,63 @@ def test_downsample_keeps_spikes_and_length():
     assert downsample([1.0, 2.0], 100) == [1.0, 2.0]
 
 
-def test_progress_callback_and_panel_cost_are_far_below_one_percent():
-    """The telemetry budget: a step callback must cost microseconds, and one panel refresh
-    (memory read + all HTML) under 5 ms, i.e. < 1% of the time between two refreshes at 2 Hz."""
-    tr = JobTracker()
-    tr.start("images")
+def test_progress_callback_and_panel_stay_bounded_however_long_the_job():
+    """The telemetry budget, counted rather than timed (a CPU-time threshold flakes on a loaded CI box):
+    a step callback keeps O(1) state (the step history is a bounded deque), a snapshot and its charts are
+    downsampled to at most 240 points, so the panel's HTML for a 20 000-step job with 5 000 memory samples
+    stays small. The measured costs are printed, not asserted."""
+    def panel_html(tr, hist) -> str:
+        r = hist.sample()
+        snap = tr.snapshot()
+        return "".join((panel.render_device(r, True), panel.render_memory(r, snap), panel.render_job(snap, None, 0, 1),
+                        panel.render_latency(snap), panel.render_charts(snap, hist.series(), r.kind),
+                        panel.render_progress(snap, None, 0)))
+
+    def reader(device):
+        return MemoryReading(kind="cpu-rss", device_name="cpu", rss=123_456_789, device_total=10**10)
+
+    short, long = JobTracker(), JobTracker()
+    short.start("images")
+    long.start("images")
+    for i in range(300):
+        short.on_progress(ProgressEvent("synthesis", i, 20000, 3.0 + i % 7))
     n = 20000
     t0 = time.perf_counter()
     for i in range(n):
-        tr.on_progress(ProgressEvent("synthesis", i, n, 3.0))
+        long.on_progress(ProgressEvent("synthesis", i, n, 3.0 + i % 7))
     per_step_us = (time.perf_counter() - t0) / n * 1e6
-    assert per_step_us < 50, f"progress callback costs {per_step_us:.1f} µs per step"
+    assert len(long._step_ms) == long._step_ms.maxlen == 2048          # the history does not grow with the job
+    snap = long.snapshot()
+    assert len(snap.step_ms) == 240 and max(snap.step_ms) == 9.0      # downsampled, and a spike stays visible
 
-    hist = MemoryHistory(None, min_interval_s=0.0)
-    for _ in range(600):
-        hist.sample()
-    costs = []
+    small_hist = MemoryHistory(None, min_interval_s=0.0, reader=reader)
+    big_hist = MemoryHistory(None, min_interval_s=0.0, reader=reader)
+    for _ in range(20):
+        small_hist.sample()
+    for _ in range(5000):
+        big_hist.sample()
+    assert len(big_hist.series()) == 240
+    small, big = panel_html(short, small_hist), panel_html(long, big_hist)
+    for html in (small, big):
+        points = [len(p.split()) for p in re.findall(r'<polyline points="([^"]*)"', html)]
+        assert len(points) == 2 and all(p <= 240 for p in points), points
+    assert len(small) < len(big) < 24 * 1024, len(big)   # about 12 KiB: every chart capped at 240 points
+    t0 = time.perf_counter()
     for _ in range(30):
-        t0 = time.perf_counter()
-        r = hist.sample()
-        snap = tr.snapshot()
-        panel.render_device(r, True), panel.render_memory(r, snap), panel.render_job(snap, None, 0, 1)
-        panel.render_latency(snap), panel.render_charts(snap, hist.series(), r.kind), panel.render_progress(snap, None, 0)
-        costs.append(time.perf_counter() - t0)
-    costs.sort()
-    median_ms = costs[len(costs) // 2] * 1e3
-    assert median_ms < 5.0, f"one panel refresh costs {median_ms:.2f} ms (budget 5 ms = 1% of 500 ms)"
+        panel_html(long, big_hist)
+    refresh_ms = (time.perf_counter() - t0) / 30 * 1e3
+    print(f"\ntelemetry cost (report only): {per_step_us:.1f} µs per step callback, {refresh_ms:.2f} ms per panel "
+          f"refresh, {len(big)} bytes of HTML")
 
 
 # -- MemoryHistory ---------------------------------------------------------------------------
-def test_memory_history_throttles_and_windows():
+def test_memory_history_throttles_and_windows(monkeypatch):
+    import types
+
+    import telemetry.live as live
+
+    now = {"t": 1000.0}                             # a clock the test moves: no sleeping, no timing
+    monkeypatch.setattr(live, "time", types.SimpleNamespace(time=lambda: now["t"], perf_counter=time.perf_counter))
     calls = []
 
     def reader(device):
@@ -125,12 +152,16 @@ def test_memory_history_throttles_and_windows():
     h = MemoryHistory(None, window_s=300, min_interval_s=10.0, reader=reader)
     a, b = h.sample(), h.sample()
     assert len(calls) == 1 and a is b               # the second read within the interval reuses the first
-    assert [s.used for s in h.series()] == [1001]
+    now["t"] += 9.9
+    assert h.sample() is a and len(calls) == 1      # still within the interval
+    now["t"] += 0.1
+    assert h.sample() is not a and len(calls) == 2  # the interval is over: the device is read again
+    assert [s.used for s in h.series()] == [1001, 1002]
     h2 = MemoryHistory(None, window_s=0.05, min_interval_s=0.0, reader=reader)
     h2.sample()
-    time.sleep(0.08)
+    now["t"] += 0.08
     h2.sample()
-    assert len(h2.series()) == 1                    # older samples fall out of the window
+    assert [s.used for s in h2.series()] == [1004]  # the older sample fell out of the window
 
 
 def test_real_memory_reading_on_this_machine():

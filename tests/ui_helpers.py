@@ -14,20 +14,34 @@ SG_COND = SG_DIR / "sg2_cond4_64_fp16.pkl"
 
 
 def free_port() -> int:
+    """A port the kernel just handed out on 127.0.0.1. It is released before the server binds it, so another
+    process can take it in between: callers that serve on it must retry (as `running_studio` does)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+PORT_ATTEMPTS = 5
+
+
 @contextlib.contextmanager
 def running_studio(tmp: Path, models=(SG_UNCOND, SG_COND), **settings_kw):
-    """Yields the running Blocks (`.local_url`, `.atelier_runtime`); closes it afterwards."""
+    """Yields the running Blocks (`.local_url`, `.atelier_runtime`); closes it afterwards.
+
+    Gradio binds the port itself, so it cannot be handed a socket bound beforehand: when the port picked
+    is taken before Gradio binds it ("Cannot find empty port"), a fresh one is picked, a few times."""
     from ui.studio import serve
 
-    settings = Settings(host="127.0.0.1", port=free_port(), extra_models=tuple(str(m) for m in models),
-                        models_dirs=(), output_dir=tmp / "outputs", cache_dir=tmp / "cache",
-                        default_stylegan_model=str(models[0]), **settings_kw)
-    demo = serve(build_services(settings), quiet=True)
+    for attempt in range(PORT_ATTEMPTS):
+        settings = Settings(host="127.0.0.1", port=free_port(), extra_models=tuple(str(m) for m in models),
+                            models_dirs=(), output_dir=tmp / "outputs", cache_dir=tmp / "cache",
+                            default_stylegan_model=str(models[0]), **settings_kw)
+        try:
+            demo = serve(build_services(settings), quiet=True)
+            break
+        except OSError as exc:
+            if "Cannot find empty port" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                raise
     try:
         yield demo
     finally:

@@ -47,7 +47,9 @@ def stylegan_generator(workload: Workload, device: torch.device, seed: int, fp32
     with torch.device(device):
         torch.manual_seed(seed)
         G = build_generator(workload.arch, kwargs)
-    G = G.eval().requires_grad_(False)
+    # Some buffers (the FIR filters, SG3's Fourier transform) are made on the CPU explicitly: move
+    # everything, as a user's `.to(device)` does, so the baseline row can call G directly.
+    G = G.to(device).eval().requires_grad_(False)
     meta = {"z_dim": int(G.z_dim), "c_dim": int(G.c_dim), "w_dim": int(G.w_dim), "num_ws": int(G.num_ws),
             "resolution": int(G.img_resolution), "img_channels": int(G.img_channels), "random_weights_seed": seed}
     config = {"format": "atelier-stylegan/1", "arch": workload.arch, "init_kwargs": kwargs, "metadata": meta}

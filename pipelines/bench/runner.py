@@ -422,12 +422,16 @@ def _stylegan_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int,
         row["warmup_calls"], row["repeats"] = warmup, repeats
         row.update(_compile_fields(cfg, row))
         if pipe is not None:
-            e2e = []
+            e2e, stages = [], []
             req = GenerationRequest("stylegan", None, params, cfg.flags, str(device))
             for _ in range(3):
-                ms, _ = wall_ms(lambda: pipe.generate(req, Job()), device)
+                job = Job()
+                ms, _ = wall_ms(lambda: pipe.generate(req, job), device)
                 e2e.append(ms)
+                stages.append(job.timings_ms)
             row["e2e_ms_per_image"] = median(e2e) / batch
+            # where the studio's own call spends its time (seed -> latents -> synthesis -> pixels)
+            row["e2e_stages_ms"] = {k: median([s.get(k, 0.0) for s in stages]) for k in stages[0]}
         if _wants_profile(opts, cfg):
             row["profile"] = _with_busy(profile_call(lambda: call(bank[0]), device), row["call_ms"])
     row["_images"] = images

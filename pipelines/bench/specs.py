@@ -180,7 +180,7 @@ _CONFIGS: dict[str, tuple[dict | None, str]] = {
 }
 DEFAULT_CONFIGS = tuple(_CONFIGS)
 _FLAG_KEYS = {"precision": str, "channels_last": bool, "attention": str, "compile": str, "fp8": bool,
-              "prune": float, "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": str}
+              "prune": float, "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": str, "kernels": str}
 
 
 def _parse_bool(v: str) -> bool:
@@ -271,6 +271,8 @@ def describe_flags(flags: OptimizationFlags) -> str:
         parts.append("tensorrt")
     if flags.memory:
         parts.append("memory=" + "/".join(flags.memory))
+    if flags.kernels != "auto":
+        parts.append(f"kernels={flags.kernels}")
     return " + ".join(parts)
 
 

@@ -1,0 +1,74 @@
+"""Which op implementations a StyleGAN generator runs with (the `kernels` optimization setting).
+
+`models.ops` computes every resampling op several ways (IMPL_CHOICES); they give the same numbers
+and differ only in speed. This module turns the user-facing setting into a choice per knob:
+
+    auto       the fastest measured choice for the device and mode (below)
+    reference  the plain-PyTorch reference ops (what NVlabs' reference code computes, op by op)
+    a spec     knob:choice pairs joined by '/', e.g. "fir:triton/up:subpixel-fused/modconv:auto";
+               knobs left out keep their reference choice
+
+`auto` on a CUDA GPU with Triton (measured on an H200, docs/benchmarks.md):
+    fir      triton          the FIR blurs, up/downsampling and StyleGAN3's filtered leaky ReLU as
+                             one-pass Triton kernels (eager and compiled)
+    up       subpixel-fused  each upsampling conv and its FIR folded into one dense conv
+    modconv  auto            fused per-sample weights at batch 1, modulated activations above
+On the CPU `auto` is the reference: it is what the tests check against NVlabs' pickles, and the
+CPU has no faster path for these ops.
+"""
+from __future__ import annotations
+
+import torch
+
+from core.errors import InputError
+from models import fir_triton, ops
+
+KERNEL_CHOICES = ("auto", "reference")
+
+_AUTO_CUDA = {"fir": "triton", "up": "subpixel-fused", "modconv": "auto"}
+
+
+def parse(spec: str) -> dict[str, str] | str:
+    """'auto' / 'reference' as they are, or a knob spec as {knob: choice}; InputError when malformed."""
+    spec = (spec or "auto").strip()
+    if spec in KERNEL_CHOICES:
+        return spec
+    out: dict[str, str] = {}
+    for part in spec.split("/"):
+        knob, sep, choice = part.strip().partition(":")
+        if not sep or knob not in ops.IMPL_CHOICES or choice not in ops.IMPL_CHOICES[knob]:
+            known = "; ".join(f"{k}: {', '.join(v)}" for k, v in ops.IMPL_CHOICES.items() if k != "grad")
+            raise InputError(f"kernels must be auto, reference, or knob:choice pairs joined by '/' "
+                             f"(e.g. fir:triton/up:subpixel-fused); got {spec!r}. Knobs — {known}")
+        out[knob] = choice
+    return out
+
+
+def resolve(spec: str, device: torch.device | str, compiled: bool = False) -> tuple[dict[str, str], str]:
+    """(ops knob settings for `spec` on `device`, a sentence saying what runs and why)."""
+    del compiled  # the same kernels win compiled and eager (the Triton op is traced into the graph)
+    device = torch.device(device)
+    parsed = parse(spec)
+    if parsed == "reference":
+        return {}, "reference ops (plain PyTorch convolutions, as NVlabs' reference code computes them)"
+    if parsed == "auto":
+        if device.type != "cuda":
+            return {}, f"reference ops: the fused kernels are for CUDA GPUs (here: {device.type})"
+        choice = dict(_AUTO_CUDA)
+        why = fir_triton.unavailable_reason(device)
+        if why is not None:
+            choice.pop("fir")
+            return choice, f"{describe(choice)} ({why})"
+        return choice, describe(choice)
+    choice = dict(parsed)
+    if choice.get("fir") == "triton":
+        why = fir_triton.unavailable_reason(device)
+        if why is not None:
+            return choice, f"{describe(choice)}; fir:triton falls back to the reference here ({why})"
+    return choice, describe(choice)
+
+
+def describe(choice: dict[str, str]) -> str:
+    if not choice:
+        return "reference ops"
+    return "/".join(f"{k}:{v}" for k, v in choice.items())

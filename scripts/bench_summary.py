@@ -1,0 +1,45 @@
+"""One line per bench result (and the top kernels of each profiled one): the table a device call prints last.
+
+    python3 scripts/bench_summary.py outputs/bench/bench.jsonl [more.jsonl ...]
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def num(v, nd: int = 1) -> str:
+    return f"{v:.{nd}f}" if isinstance(v, (int, float)) else str(v or "-")
+
+
+def main(paths: list[str]) -> None:
+    rows = []
+    for p in paths:
+        for line in open(p):
+            r = json.loads(line)
+            if r.get("type") == "result" and r.get("status"):
+                rows.append(r)
+    print(f"{'workload':<10} {'config':<16} {'bs':>3} {'status':<7} {'ms/img':>8} {'img/s':>8} {'e2e ms':>8} "
+          f"{'PSNR':>6} {'peakGiB':>7} {'compile s':>9}")
+    for r in rows:
+        d = r.get("drift") or {}
+        ms = r.get("ms_per_image")
+        print(f"{r['workload']:<10} {r['config'][:16]:<16} {r['batch']:>3} {r['status']:<7} "
+              f"{ms if ms is None else round(ms, 3)!s:>8} {round(r.get('images_per_s') or 0, 1):>8} "
+              f"{round(r.get('e2e_ms_per_image') or 0, 2):>8} {num(d.get('psnr_db')):>6} "
+              f"{round((r.get('peak_vram_bytes') or 0) / 2**30, 2):>7} {round(r.get('compile_s') or 0, 1):>9}"
+              + (f"  {str(r.get('error') or r.get('reason') or r.get('message'))[:160]}" if r["status"] != "ok" else ""))
+    for r in rows:
+        prof = r.get("profile") or {}
+        top = prof.get("top") or []
+        if prof:
+            cls = ", ".join(f"{k} {v:.2f}" for k, v in sorted((prof.get("by_class_ms") or {}).items(),
+                                                               key=lambda kv: -kv[1])[:5])
+            print(f"-- {r['workload']} {r['config']} bs{r['batch']}: busy {prof.get('device_busy_ms', 0):.2f} ms, "
+                  f"{prof.get('kernel_launches')} launches; {cls}")
+            for k in top[:4]:
+                print(f"      {k.get('ms', 0):7.3f} ms {k.get('calls')}x  {str(k.get('name'))[:110]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 11's H200 runs, one part or several per device call: bash scripts/h200_stylegan.sh PART...
+#   check   the Triton kernels against the reference ops, and op timings (scripts/fir_kernels_check.py)
+#   tests   the gpu-marked StyleGAN tests (log under $OUT)
+#   b1      bench sg2-1024 + sg3t-1024 at batch 1
+#   tp      bench sg2-1024 throughput batches 32/64/128 (+ sg3t-1024 at 16)
+#   prof    kernel tables (torch.profiler) of the configurations named in PROF_CONFIGS
+# Carry [".whl", ".device_shared"], with training_state/ moved aside (docs/gpu-runbook.md).
+set -uo pipefail
+OUT=${OUT:-outputs/h200}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+B1_CONFIGS=${B1_CONFIGS:-baseline,fp32,tf32,fp16,bf16,bf16-cl,best,refops-bf16@precision=bf16+kernels=reference}
+TP_CONFIGS=${TP_CONFIGS:-baseline,bf16,bf16-cl,best}
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    check) timeout 200 python3 scripts/fir_kernels_check.py --out "$OUT/fir.json" ;;
+    tests) timeout 400 python3 -m pytest -q -rs -m gpu --durations=8 tests/test_kernels.py tests/test_stylegan2.py \
+             tests/test_stylegan3.py tests/test_ops_variants.py tests/test_bench_gpu.py -k "not diffusion" 2>&1 \
+             | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    b1) timeout ${B1_TIMEOUT:-380} python3 app.py bench --workload sg2-1024,sg3t-1024 --batches 1 --configs "$B1_CONFIGS" \
+          --out "$OUT/b1" --no-report --quiet --profile ${B1_PROFILE:-all} ;;
+    tp) timeout 420 python3 app.py bench --workload sg2-1024 --batches ${TP_BATCHES:-32,64,128} --configs "$TP_CONFIGS" \
+          --out "$OUT/tp" --no-report --quiet ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+python3 scripts/bench_summary.py "$OUT"/*/bench.jsonl 2>/dev/null || true
