@@ -70,47 +70,73 @@ def _kernel():
 
     @triton.jit
     def fir1d_kernel(x_ptr, y_ptr, c_ptr, bias_ptr,
-                     A, L, B, Lo,                       # x is [A, L, B], y is [A, Lo, B], contiguous
+                     L, Lo, NB, NJ,                     # filtered length in/out; tiles along B and along L
+                     sA, sL, sB, oA, oL, oB,            # element strides of x and y: row a, position, column b
+                     B,                                 # columns (rows of the tensor when ROWS_IN_B)
                      PAD0,                              # run time: one compiled kernel serves every padding
                      bias_div, bias_channels,
                      slope, act_gain, clamp,
                      TAPS: tl.constexpr, UP: tl.constexpr, DOWN: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, ROWS_IN_B: tl.constexpr,
+                     BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr):
+        # One program: a BLOCK_L x BLOCK_B tile (outputs along L by columns along B) of one row a.
+        # The (row, tile) split is three scalar divisions per program, none per element.
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        total = A.to(tl.int64) * Lo * B
-        live = offs < total
-        b = offs % B
-        rest = offs // B
-        j = rest % Lo
-        a = rest // Lo
-        row = a * L * B + b
+        bt = pid % NB
+        rest = pid // NB
+        jt = rest % NJ
+        a = (rest // NJ).to(tl.int64)
+        j = jt * BLOCK_L + tl.arange(0, BLOCK_L)
+        b = (bt * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+        live_j = j < Lo
+        live_b = b < B
         if HAS_BIAS:
-            ch = (a // bias_div) % bias_channels
-            bias = tl.load(bias_ptr + ch, mask=live, other=0.0).to(tl.float32)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+            if ROWS_IN_B:        # columns are the tensor's rows: one bias per column
+                bias = tl.load(bias_ptr + (b // bias_div) % bias_channels, mask=live_b, other=0.0)
+                bias = bias.to(tl.float32)[None, :]
+            else:
+                bias = tl.load(bias_ptr + (a // bias_div) % bias_channels).to(tl.float32)
+        x_tile = x_ptr + a * sA + b[None, :] * sB
+        acc = tl.zeros([BLOCK_L, BLOCK_B], dtype=tl.float32)
         for k in tl.static_range(TAPS):
-            m = j * DOWN + k - PAD0                     # index into the zero-inserted sequence
-            i = m // UP
-            ok = live & (m >= 0) & (i < L)
+            m = j * DOWN + (k - PAD0)                   # index into the zero-inserted sequence
+            ok = live_j & (m >= 0) & (m < L * UP)
             if UP > 1:
                 ok = ok & ((m % UP) == 0)
-            v = tl.load(x_ptr + row + i * B, mask=ok, other=0.0).to(tl.float32)
+            i = tl.where(ok, m // UP, 0).to(tl.int64)
+            mask = ok[:, None] & live_b[None, :]
+            v = tl.load(x_tile + i[:, None] * sL, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                v = tl.where(ok, v + bias, 0.0)
-            acc += v * tl.load(c_ptr + k).to(tl.float32)
+                v = tl.where(mask, v + bias, 0.0)
+            acc += v * tl.load(c_ptr + k)
         if ACT:
             acc = tl.where(acc >= 0, acc, acc * slope) * act_gain
         if CLAMP:
             acc = tl.minimum(tl.maximum(acc, -clamp), clamp)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=live)
+        y_ptrs = y_ptr + a * oA + j[:, None].to(tl.int64) * oL + b[None, :] * oB
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live_j[:, None] & live_b[None, :])
 
     return fir1d_kernel
 
 
-_BLOCK = 1024
-_BLOCK_INTERPRETED = 1 << 16
+# Elements per program. The interpreter runs each program as numpy calls: bigger tiles there.
+_TILE = 2048
+_TILE_INTERPRETED = 1 << 15
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _blocks(Lo: int, B: int, rows_in_b: bool) -> tuple[int, int]:
+    """(BLOCK_L, BLOCK_B) for a tile of _TILE elements: contiguous memory runs along B, or along L when the
+    columns are the tensor's rows (then each column is a row of L contiguous samples)."""
+    tile = _TILE_INTERPRETED if interpreting() else _TILE
+    if rows_in_b:
+        block_l = min(128 if not interpreting() else tile, _pow2(Lo))
+        return block_l, max(1, min(tile // block_l, _pow2(B)))
+    block_b = min(128 if not interpreting() else tile, _pow2(B))
+    return max(1, min(tile // block_b, _pow2(Lo))), block_b
 
 
 def out_length(length: int, taps: int, up: int, down: int, pad0: int, pad1: int) -> int:
@@ -136,23 +162,37 @@ def _launch(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int, down: int, p
                          f"pad {pad0}/{pad1})")
     shape[dim] = Lo
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    if y.numel() == 0:
+        return y
     c = taps.to(device=x.device, dtype=torch.float32).contiguous()
     has_bias = bias is not None
     b = bias.to(device=x.device).contiguous() if has_bias else c      # any valid pointer when unused
-    total = A * Lo * B
     kernel = _kernel()
     if launcher is not None:
         kernel = launcher(kernel)
-    # The interpreter runs each program as numpy calls: bigger blocks mean fewer, longer calls.
-    block = _BLOCK_INTERPRETED if interpreting() else _BLOCK
-    grid = ((total + block - 1) // block,)
-    kernel[grid](x, y, c, b, A, L, B, Lo, int(pad0),
+    rows_in_b = B == 1
+    if rows_in_b:
+        # Filtering the last axis: the rows become the tile's columns (stride L), so one program
+        # covers many rows instead of one.
+        rows, cols = 1, A
+        strides = (0, 1, L, 0, 1, Lo)
+    else:
+        rows, cols = A, B
+        strides = (L * B, B, 1, Lo * B, B, 1)
+    block_l, block_b = _blocks(Lo, cols, rows_in_b)
+    nb, nj = triton_cdiv(cols, block_b), triton_cdiv(Lo, block_l)
+    grid = (rows * nj * nb,)
+    kernel[grid](x, y, c, b, L, Lo, nb, nj, *strides, cols, int(pad0),
                  int(bias_div), int(b.shape[0]) if has_bias else 1,
                  float(slope if slope is not None else 1.0), float(act_gain), float(clamp or 0.0),
                  TAPS=T, UP=int(up), DOWN=int(down),
-                 HAS_BIAS=has_bias, ACT=slope is not None, CLAMP=clamp is not None,
-                 BLOCK=block, num_warps=4)
+                 HAS_BIAS=has_bias, ACT=slope is not None, CLAMP=clamp is not None, ROWS_IN_B=rows_in_b,
+                 BLOCK_L=block_l, BLOCK_B=block_b, num_warps=4)
     return y
+
+
+def triton_cdiv(n: int, d: int) -> int:
+    return (n + d - 1) // d
 
 
 def fir1d(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int = 1, down: int = 1, pad0: int = 0, pad1: int = 0,

@@ -11,7 +11,8 @@ and differ only in speed. This module turns the user-facing setting into a choic
 `auto` on a CUDA GPU with Triton (measured on an H200, docs/benchmarks.md):
     fir      triton          the FIR blurs, up/downsampling and StyleGAN3's filtered leaky ReLU as
                              one-pass Triton kernels (eager and compiled)
-    up       subpixel-fused  each upsampling conv and its FIR folded into one dense conv
+    up       subpixel-fused  each upsampling conv and its FIR folded into one dense conv (not in
+                             fp32 with TF32 off: there cuDNN picks FFT convolutions for it)
     modconv  auto            fused per-sample weights at batch 1, modulated activations above
 On the CPU `auto` is the reference: it is what the tests check against NVlabs' pickles, and the
 CPU has no faster path for these ops.
@@ -44,8 +45,9 @@ def parse(spec: str) -> dict[str, str] | str:
     return out
 
 
-def resolve(spec: str, device: torch.device | str, compiled: bool = False) -> tuple[dict[str, str], str]:
-    """(ops knob settings for `spec` on `device`, a sentence saying what runs and why)."""
+def resolve(spec: str, device: torch.device | str, compiled: bool = False,
+            precision: str = "bf16") -> tuple[dict[str, str], str]:
+    """(ops knob settings for `spec` on `device` and `precision`, a sentence saying what runs and why)."""
     del compiled  # the same kernels win compiled and eager (the Triton op is traced into the graph)
     device = torch.device(device)
     parsed = parse(spec)
@@ -55,6 +57,10 @@ def resolve(spec: str, device: torch.device | str, compiled: bool = False) -> tu
         if device.type != "cuda":
             return {}, f"reference ops: the fused kernels are for CUDA GPUs (here: {device.type})"
         choice = dict(_AUTO_CUDA)
+        if precision == "fp32":
+            # Without tensor cores cuDNN runs the larger folded up-convs as FFTs (an H200 run:
+            # 97 ms and 65 GiB at 1024² against 14 ms for the plain transposed conv + FIR).
+            choice.pop("up")
         why = fir_triton.unavailable_reason(device)
         if why is not None:
             choice.pop("fir")

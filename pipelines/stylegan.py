@@ -37,7 +37,8 @@ class StyleGANPipeline:
         self.flags = flags
         G = loaded.G.to(device).eval().requires_grad_(False)
         # Op implementations first: a bad spec is the user's error, before any slow preparation.
-        self.kernels, kernels_note = _kernels.resolve(flags.kernels, device, compiled=flags.compile != "off")
+        self.kernels, kernels_note = _kernels.resolve(flags.kernels, device, compiled=flags.compile != "off",
+                                                        precision=flags.precision)
         self.G, report = optim.prepare(G, flags, device, kind="stylegan", cache_dir=cache_dir,
                                        weights_hash=loaded.sha256)
         self.optimizations = ordered({**report, "kernels": applied(kernels_note, ops=dict(self.kernels))})

@@ -91,6 +91,37 @@ def network_check(dev) -> list[dict]:
     return rows
 
 
+def compile_check(dev) -> list[dict]:
+    """torch.compile(fullgraph=True) over the fused kernels: one graph, no recompiles, the eager numbers."""
+    import torch._dynamo
+    import torch._dynamo.testing
+    from models import kernels
+    from models.stylegan import build_generator
+    from pipelines.bench.specs import _SG2_TINY, _SG3T_TINY
+
+    rows = []
+    choice, _ = kernels.resolve("auto", dev, precision="bf16")
+    for arch, kw in (("stylegan2", _SG2_TINY), ("stylegan3", _SG3T_TINY)):
+        torch.manual_seed(0)
+        G = build_generator(arch, dict(kw, num_fp16_res=0)).to(dev).eval().requires_grad_(False)
+        z = torch.randn(2, G.z_dim, device=dev)
+        c = torch.zeros(2, G.c_dim, device=dev)
+        row = {"arch": arch, "impl": choice}
+        try:
+            with torch.no_grad(), ops.use_impl(**choice):
+                want = G(z, c, noise_mode="const")
+                cnt = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+                f = torch.compile(G, backend=cnt, fullgraph=True)
+                for _ in range(3):
+                    got = f(z, c, noise_mode="const")
+            row.update(frames=cnt.frame_count, rel_err=rel(got, want), ok=cnt.frame_count == 1 and rel(got, want) < 1e-4)
+        except Exception as e:  # report, do not stop the check
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:800])
+        torch._dynamo.reset()
+        rows.append(row)
+    return rows
+
+
 def timings(dev) -> list[dict]:
     rows = []
     # StyleGAN3-T 1024's widest filtered_lrelu: 64 channels (bf16), 1044 -> up 2 -> 1044 (after down 2).
@@ -105,7 +136,7 @@ def timings(dev) -> list[dict]:
             with ops.use_impl(fir="grouped"):
                 want = sg3.filtered_lrelu(x.float(), fu, fd, b, **args)
             out = {}
-            for kind in ("grouped", "triton", "shifts"):
+            for kind in ("grouped", "triton"):
                 def call(kind=kind):
                     with ops.use_impl(fir=kind):
                         return sg3.filtered_lrelu(x, fu, fd, b, **args)
@@ -142,18 +173,24 @@ def timings(dev) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="fir.json")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (no timings)")
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     why = fir_triton.unavailable_reason(dev)
     if why:
         sys.exit(f"cannot run: {why}")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__}
     report["correctness"] = correctness(dev)
     report["network"] = network_check(dev)
-    report["timings"] = timings(dev)
+    report["compile"] = compile_check(dev) if dev.type == "cuda" else []
     Path(a.out).write_text(json.dumps(report, indent=1, default=str))
-    bad = [r for r in report["correctness"] + report["network"] if not r["ok"]]
-    print(f"correctness: {len(report['correctness']) + len(report['network']) - len(bad)} ok, {len(bad)} failed")
+    report["timings"] = timings(dev) if dev.type == "cuda" else []
+    Path(a.out).write_text(json.dumps(report, indent=1, default=str))
+    checks = report["correctness"] + report["network"] + report["compile"]
+    bad = [r for r in checks if not r["ok"]]
+    print(f"correctness: {len(checks) - len(bad)} ok, {len(bad)} failed")
+    for r in report["compile"]:
+        print("  compile", r)
     for r in bad:
         print("  FAILED", r)
     for r in report["timings"]:

@@ -19,13 +19,14 @@ TP_CONFIGS=${TP_CONFIGS:-baseline,bf16,bf16-cl,best}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-    check) timeout 200 python3 scripts/fir_kernels_check.py --out "$OUT/fir.json" ;;
-    tests) timeout 400 python3 -m pytest -q -rs -m gpu --durations=8 tests/test_kernels.py tests/test_stylegan2.py \
+    check) timeout ${CHECK_TIMEOUT:-150} python3 scripts/fir_kernels_check.py --out "$OUT/fir.json" 2>&1 \
+             | grep -v "^W1\|^  warn" | tee "$OUT/check.log" | tail -30 ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu --durations=8 tests/test_kernels.py tests/test_stylegan2.py \
              tests/test_stylegan3.py tests/test_ops_variants.py tests/test_bench_gpu.py -k "not diffusion" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -25 ;;
     b1) timeout ${B1_TIMEOUT:-380} python3 app.py bench --workload sg2-1024,sg3t-1024 --batches 1 --configs "$B1_CONFIGS" \
           --out "$OUT/b1" --no-report --quiet --profile ${B1_PROFILE:-all} ;;
-    tp) timeout 420 python3 app.py bench --workload sg2-1024 --batches ${TP_BATCHES:-32,64,128} --configs "$TP_CONFIGS" \
+    tp) timeout ${TP_TIMEOUT:-400} python3 app.py bench --workload sg2-1024 --batches ${TP_BATCHES:-32,64,128} --configs "$TP_CONFIGS" \
           --out "$OUT/tp" --no-report --quiet ;;
     *) echo "unknown part $part" ;;
   esac
