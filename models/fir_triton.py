@@ -63,80 +63,97 @@ def available(device: torch.device | str) -> bool:
     return unavailable_reason(device) is None
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
+# Tiles (BLOCK_L outputs along L by BLOCK_B columns) and warps the autotuner picks from, per shape. The
+# contiguous axis is the tile's inner one: B, or L when the columns are the tensor's rows.
+_CONFIGS = ((16, 128, 4), (8, 256, 8), (128, 16, 4), (256, 8, 8), (64, 32, 4))
+_TILE_INTERPRETED = 1 << 15     # the interpreter runs each program as numpy calls: one big tile
+
+
+def _body():
     import triton
     import triton.language as tl
 
-    @triton.jit
     def fir1d_kernel(x_ptr, y_ptr, c_ptr, bias_ptr,
-                     L, Lo, NB, NJ,                     # filtered length in/out; tiles along B and along L
-                     sA, sL, sB, oA, oL, oB,            # element strides of x and y: row a, position, column b
-                     B,                                 # columns (rows of the tensor when ROWS_IN_B)
+                     L, Lo, ROWS,                       # filtered length in and out; rows of the [ROWS, L, B] view
+                     sA, sL, sB, oA, oL, oB,            # element strides of x and y: row, position, column
+                     B,                                 # columns (the tensor's rows when ROWS_IN_B)
                      PAD0,                              # run time: one compiled kernel serves every padding
                      bias_div, bias_channels,
                      slope, act_gain, clamp,
                      TAPS: tl.constexpr, UP: tl.constexpr, DOWN: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, ROWS_IN_B: tl.constexpr,
                      BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr):
-        # One program: a BLOCK_L x BLOCK_B tile (outputs along L by columns along B) of one row a.
-        # The (row, tile) split is three scalar divisions per program, none per element.
+        # One program: a BLOCK_L x BLOCK_B tile (outputs along L by columns along B) of one row. The
+        # (row, tile) split is three scalar divisions per program, none per element.
+        nb = tl.cdiv(B, BLOCK_B)
+        nj = tl.cdiv(Lo, BLOCK_L)
         pid = tl.program_id(0)
-        bt = pid % NB
-        rest = pid // NB
-        jt = rest % NJ
-        a = (rest // NJ).to(tl.int64)
+        bt = pid % nb
+        rest = pid // nb
+        jt = rest % nj
+        a = (rest // nj).to(tl.int64)
         j = jt * BLOCK_L + tl.arange(0, BLOCK_L)
         b = (bt * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
-        live_j = j < Lo
-        live_b = b < B
+        # The contiguous axis goes last in the tile, where Triton lays out a warp's threads.
+        if ROWS_IN_B:
+            jj = j[None, :]
+            bb = b[:, None]
+        else:
+            jj = j[:, None]
+            bb = b[None, :]
+        live = (jj < Lo) & (bb < B)
         if HAS_BIAS:
             if ROWS_IN_B:        # columns are the tensor's rows: one bias per column
-                bias = tl.load(bias_ptr + (b // bias_div) % bias_channels, mask=live_b, other=0.0)
-                bias = bias.to(tl.float32)[None, :]
+                bias = tl.load(bias_ptr + (bb // bias_div) % bias_channels, mask=bb < B, other=0.0)
             else:
-                bias = tl.load(bias_ptr + (a // bias_div) % bias_channels).to(tl.float32)
-        x_tile = x_ptr + a * sA + b[None, :] * sB
-        acc = tl.zeros([BLOCK_L, BLOCK_B], dtype=tl.float32)
+                bias = tl.load(bias_ptr + (a // bias_div) % bias_channels)
+            bias = bias.to(tl.float32)
+        x_tile = x_ptr + a * sA + bb * sB
+        acc = (jj + bb).to(tl.float32) * 0.0            # zeros of the tile's shape
         for k in tl.static_range(TAPS):
-            m = j * DOWN + (k - PAD0)                   # index into the zero-inserted sequence
-            ok = live_j & (m >= 0) & (m < L * UP)
+            m = jj * DOWN + (k - PAD0)                  # index into the zero-inserted sequence
+            ok = live & (m >= 0) & (m < L * UP)
             if UP > 1:
                 ok = ok & ((m % UP) == 0)
             i = tl.where(ok, m // UP, 0).to(tl.int64)
-            mask = ok[:, None] & live_b[None, :]
-            v = tl.load(x_tile + i[:, None] * sL, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_tile + i * sL, mask=ok, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                v = tl.where(mask, v + bias, 0.0)
+                v = tl.where(ok, v + bias, 0.0)
             acc += v * tl.load(c_ptr + k)
         if ACT:
             acc = tl.where(acc >= 0, acc, acc * slope) * act_gain
         if CLAMP:
             acc = tl.minimum(tl.maximum(acc, -clamp), clamp)
-        y_ptrs = y_ptr + a * oA + j[:, None].to(tl.int64) * oL + b[None, :] * oB
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live_j[:, None] & live_b[None, :])
+        y_ptrs = y_ptr + a * oA + jj.to(tl.int64) * oL + bb * oB
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=live)
 
     return fir1d_kernel
 
 
-# Elements per program. The interpreter runs each program as numpy calls: bigger tiles there.
-_TILE = 2048
-_TILE_INTERPRETED = 1 << 15
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The jitted kernel: autotuned over _CONFIGS on a GPU, one large tile in the interpreter."""
+    import triton
+
+    fn = triton.jit(_body())
+    if interpreting():
+        return fn
+    configs = [triton.Config({"BLOCK_L": bl, "BLOCK_B": bb}, num_warps=w) for bl, bb, w in _CONFIGS]
+    return triton.autotune(configs=configs, key=["L", "Lo", "B", "ROWS", "TAPS", "UP", "DOWN", "ROWS_IN_B"],
+                           warmup=3, rep=10)(fn)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _blocks(Lo: int, B: int, rows_in_b: bool) -> tuple[int, int]:
-    """(BLOCK_L, BLOCK_B) for a tile of _TILE elements: contiguous memory runs along B, or along L when the
-    columns are the tensor's rows (then each column is a row of L contiguous samples)."""
-    tile = _TILE_INTERPRETED if interpreting() else _TILE
+def _interpreted_blocks(Lo: int, B: int, rows_in_b: bool) -> dict[str, int]:
+    tile = _TILE_INTERPRETED
     if rows_in_b:
-        block_l = min(128 if not interpreting() else tile, _pow2(Lo))
-        return block_l, max(1, min(tile // block_l, _pow2(B)))
-    block_b = min(128 if not interpreting() else tile, _pow2(B))
-    return max(1, min(tile // block_b, _pow2(Lo))), block_b
+        block_l = min(tile, _pow2(Lo))
+        return {"BLOCK_L": block_l, "BLOCK_B": max(1, min(tile // block_l, _pow2(B)))}
+    block_b = min(tile, _pow2(B))
+    return {"BLOCK_L": max(1, min(tile // block_b, _pow2(Lo))), "BLOCK_B": block_b}
 
 
 def out_length(length: int, taps: int, up: int, down: int, pad0: int, pad1: int) -> int:
@@ -179,15 +196,17 @@ def _launch(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int, down: int, p
     else:
         rows, cols = A, B
         strides = (L * B, B, 1, Lo * B, B, 1)
-    block_l, block_b = _blocks(Lo, cols, rows_in_b)
-    nb, nj = triton_cdiv(cols, block_b), triton_cdiv(Lo, block_l)
-    grid = (rows * nj * nb,)
-    kernel[grid](x, y, c, b, L, Lo, nb, nj, *strides, cols, int(pad0),
+    blocks = _interpreted_blocks(Lo, cols, rows_in_b) if interpreting() else {}
+
+    def grid(meta):
+        return (rows * triton_cdiv(Lo, meta["BLOCK_L"]) * triton_cdiv(cols, meta["BLOCK_B"]),)
+
+    kernel[grid](x, y, c, b, L, Lo, rows, *strides, cols, int(pad0),
                  int(bias_div), int(b.shape[0]) if has_bias else 1,
                  float(slope if slope is not None else 1.0), float(act_gain), float(clamp or 0.0),
                  TAPS=T, UP=int(up), DOWN=int(down),
                  HAS_BIAS=has_bias, ACT=slope is not None, CLAMP=clamp is not None, ROWS_IN_B=rows_in_b,
-                 BLOCK_L=block_l, BLOCK_B=block_b, num_warps=4)
+                 **blocks)
     return y
 
 
@@ -225,8 +244,15 @@ def _registered():
 def fir1d_op(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int = 1, down: int = 1, pad0: int = 0,
              pad1: int = 0, bias: torch.Tensor | None = None, bias_div: int = 1, slope: float | None = None,
              act_gain: float = 1.0, clamp: float | None = None) -> torch.Tensor:
-    """`fir1d` through the registered custom op (the form to use inside compiled or graphed code)."""
-    op = _registered()
-    return op(x.contiguous(), taps, bias, dim % x.ndim, int(up), int(down), int(pad0), int(pad1), int(bias_div),
+    """`fir1d` through the registered custom op (the form to use inside compiled or graphed code).
+
+    The op is registered when this module is imported (below), never while torch.compile traces: Dynamo
+    cannot trace `triton_op` itself, only calls of the registered op.
+    """
+    return torch.ops.atelier.fir1d(x.contiguous(), taps, bias, dim % x.ndim, int(up), int(down), int(pad0), int(pad1), int(bias_div),
               float(slope if slope is not None else 1.0), slope is not None, float(act_gain),
               float(clamp if clamp is not None else 0.0), clamp is not None)
+
+
+if _import_error() is None:
+    _registered()
