@@ -65,7 +65,7 @@ def available(device: torch.device | str) -> bool:
 
 # Tiles (BLOCK_L outputs along L by BLOCK_B columns) and warps the autotuner picks from, per shape. The
 # contiguous axis is the tile's inner one: B, or L when the columns are the tensor's rows.
-_CONFIGS = ((16, 128, 4), (8, 256, 8), (128, 16, 4), (256, 8, 8), (64, 32, 4))
+_CONFIGS = ((16, 128, 4), (8, 256, 8), (128, 16, 4), (256, 8, 8))
 _TILE_INTERPRETED = 1 << 15     # the interpreter runs each program as numpy calls: one big tile
 
 
