@@ -36,7 +36,8 @@ def to_uint8_array(x: torch.Tensor | np.ndarray, value_range: tuple[float, float
     t = (t - lo) * (255.0 / (hi - lo))
     if value_range == (-1.0, 1.0):
         t = t + 0.5   # same as NVlabs' x * 127.5 + 128 followed by truncation
-    return t.clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    # NHWC made contiguous where the tensor is: the host gets a plain array PIL wraps without a copy.
+    return t.clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
 def uint8_to_images(arr: np.ndarray) -> list[Image.Image]:

@@ -286,13 +286,14 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
         return "\n".join(lines) + "\n"
     lines += ["### Runs", ""]
     run_rows = []
+    run_no = {rid: i + 1 for i, rid in enumerate(m.runs)}
     for rid, r in m.runs.items():
         rates = r.get("rates") or {}
-        run_rows.append([rid, r.get("date", "?"), r.get("gpu") or r.get("cpu") or r.get("device"), r.get("torch"),
+        run_rows.append([f"{run_no[rid]}", f"{rid}" + (f" (`{r['file']}`)" if r.get("file") else ""), r.get("date", "?"), r.get("gpu") or r.get("cpu") or r.get("device"), r.get("torch"),
                          r.get("cuda") or "–", r.get("diffusers") or "–", _rate(rates.get("bf16_tflops")),
                          _rate(rates.get("fp8_tflops")),
                          f"`{r.get('command', '')}`"])
-    lines += _table(["run", "date (UTC)", "device", "torch", "CUDA", "diffusers", "bf16 TFLOP/s", "FP8 TFLOP/s",
+    lines += _table(["#", "run (file)", "date (UTC)", "device", "torch", "CUDA", "diffusers", "bf16 TFLOP/s", "FP8 TFLOP/s",
                      "command"], run_rows) + [""]
     any_rates = next((r.get("rates") for r in m.runs.values() if r.get("rates")), None)
     if plot_note:
@@ -331,7 +332,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                 if not _within_drift_budget(r, wl.get("kind", "")):
                     psnr += f" (under {STYLEGAN_PSNR_BUDGET_DB:.0f} dB budget)"
                 name = f"`{c}`" + (f" (= `{r['same_as']}`)" if r.get("same_as") else "")
-                row = [name, _ms(r.get("ms_per_image")), speed]
+                row = [name, run_no.get(r.get("run_id"), "–"), _ms(r.get("ms_per_image")), speed]
                 if wl.get("kind") == "diffusion":
                     row += [_f(r.get("it_per_s")), _ms(st.get("text_encoder")), _ms(st.get("denoise")),
                             _ms(st.get("vae_decode"))]
@@ -348,7 +349,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                         psnr if b == 1 else "–", _f(d.get("ssim"), 4) if b == 1 else "–", _pct(floor),
                         _f(r.get("spread_pct"), 0)]
                 rows.append(row)
-            head = ["config", "ms/image", "vs baseline"]
+            head = ["config", "run", "ms/image", "vs baseline"]
             head += (["it/s", "text enc ms", "denoise ms", "VAE ms"] if wl.get("kind") == "diffusion"
                      else ["end-to-end ms/image"])
             head += ["images/s", "peak VRAM GiB", "warm-up s", "PSNR dB", "SSIM", "of floor", "spread %"]
@@ -494,7 +495,10 @@ def write_report(inputs: list[str | Path], out_md: str | Path, plots_dir: str | 
         raise InputError("give at least one bench.jsonl file (--inputs)")
     rows: list[dict] = []
     for p in inputs:
-        rows += read_jsonl(p)
+        for r in read_jsonl(p):
+            if r.get("type") == "run":
+                r = {**r, "file": Path(p).name}      # the runs table names the file each row comes from
+            rows.append(r)
     m = merge(rows)
     out_md = Path(out_md)
     plots_dir = Path(plots_dir) if plots_dir else out_md.parent / out_md.stem

@@ -155,10 +155,15 @@ def test_auto_kernels_give_the_reference_image(arch):
     G = _tiny(arch)
     z = torch.randn(3, G.z_dim, generator=torch.Generator().manual_seed(5)).to(DEV)
     c = torch.zeros(3, G.c_dim, device=DEV)
-    with torch.no_grad():
-        want = G(z, c, noise_mode="const")
-        with ops.use_impl(fir="triton", up="subpixel-fused", modconv="auto"):
-            got = G(z, c, noise_mode="const")
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False    # on by default for CUDA convolutions: a 3e-4 difference
+    try:
+        with torch.no_grad():
+            want = G(z, c, noise_mode="const")
+            with ops.use_impl(fir="triton", up="subpixel-fused", modconv="auto"):
+                got = G(z, c, noise_mode="const")
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     assert rel(got, want) < 1e-5
 
 
