@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "fir1d", "fir1d_op"]
+__all__ = ["available", "unavailable_reason", "ensure_registered", "fir1d", "fir1d_op"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,9 +226,15 @@ def fir1d(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int = 1, down: int 
     return _launch(x, taps, dim % x.ndim, up, down, pad0, pad1, bias, bias_div, slope, act_gain, clamp)
 
 
+def ensure_registered() -> None:
+    """Register the custom op now (eagerly): call before torch.compile traces code that uses it."""
+    _registered()
+
+
 @functools.lru_cache(maxsize=None)
 def _registered():
-    """Register `atelier::fir1d` (a triton_op: torch.compile sees the kernel) once, lazily."""
+    """Register `atelier::fir1d` (a triton_op: torch.compile sees the kernel) once. Lazily, because importing
+    the registration machinery pulls in Triton and Inductor (seconds at start-up on a CPU)."""
     from torch.library import triton_op, wrap_triton
 
     @triton_op("atelier::fir1d", mutates_args=())
@@ -246,13 +252,12 @@ def fir1d_op(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int = 1, down: i
              act_gain: float = 1.0, clamp: float | None = None) -> torch.Tensor:
     """`fir1d` through the registered custom op (the form to use inside compiled or graphed code).
 
-    The op is registered when this module is imported (below), never while torch.compile traces: Dynamo
-    cannot trace `triton_op` itself, only calls of the registered op.
+    Dynamo cannot trace `triton_op` itself, only calls of the registered op: the op is registered on the
+    first eager call, and `models.kernels.resolve` registers it before any compiled run.
     """
+    if not torch.compiler.is_compiling():
+        _registered()
     return torch.ops.atelier.fir1d(x.contiguous(), taps, bias, dim % x.ndim, int(up), int(down), int(pad0), int(pad1), int(bias_div),
               float(slope if slope is not None else 1.0), slope is not None, float(act_gain),
               float(clamp if clamp is not None else 0.0), clamp is not None)
 
-
-if _import_error() is None:
-    _registered()

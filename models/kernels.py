@@ -65,12 +65,14 @@ def resolve(spec: str, device: torch.device | str, compiled: bool = False,
         if why is not None:
             choice.pop("fir")
             return choice, f"{describe(choice)} ({why})"
+        fir_triton.ensure_registered()          # before torch.compile traces a call of the op
         return choice, describe(choice)
     choice = dict(parsed)
     if choice.get("fir") == "triton":
         why = fir_triton.unavailable_reason(device)
         if why is not None:
             return choice, f"{describe(choice)}; fir:triton falls back to the reference here ({why})"
+        fir_triton.ensure_registered()
     return choice, describe(choice)
 
 
