@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,18 +31,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def time_ms(fn, reps: int = 30) -> float:
+    """Median CUDA-event milliseconds of `fn` after 3 warm-up calls (the bench's own timer)."""
+    from pipelines.bench.measure import device_times_ms, median
+
+    dev = torch.device("cuda")
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    times, _ = device_times_ms(lambda _x: fn(), [None] * reps, dev)
+    return median(times)
 
 
 def correctness(dev) -> list[dict]:
