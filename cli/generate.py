@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from cli.errors import cli_errors
-from cli.options import add_optimization_args, flags_from_args
+from cli.options import add_optimization_args, flags_from_args, positive_int
 from core.errors import InputError
 from core.pnginfo import read_png_params, save_png
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags, StyleGANParams, parse_seeds
@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--truncation-cutoff", type=int, default=None)
     sg.add_argument("--noise-mode", choices=["const", "random", "none"], default="const")
     sg.add_argument("--class-index", type=int, default=None)
-    sg.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
+    sg.add_argument("--batch-size", type=positive_int, default=None,
+                    help="images per forward pass (at least 1; default: 8 for StyleGAN, 1 for diffusion)")
     df = p.add_argument_group("diffusion")
     df.add_argument("--prompt", default=None)
     df.add_argument("--negative-prompt", default="")
@@ -89,12 +90,13 @@ def _request_from_args(a: argparse.Namespace, flags: OptimizationFlags) -> Gener
             raise InputError("give either --seed or --seeds, not both")
         seeds = parse_seeds(a.seeds if a.seeds is not None else (a.seed if a.seed is not None else "0"))
         params = StyleGANParams(seeds=seeds, truncation_psi=a.truncation, truncation_cutoff=a.truncation_cutoff,
-                                noise_mode=a.noise_mode, class_index=a.class_index, batch_size=a.batch_size or 8)
+                                noise_mode=a.noise_mode, class_index=a.class_index,
+                                batch_size=8 if a.batch_size is None else a.batch_size)
     else:
         if a.prompt is None:
             raise InputError("the diffusion backend needs --prompt TEXT")
         kw = dict(prompt=a.prompt, negative_prompt=a.negative_prompt, seed=a.seed if a.seed is not None else 0,
-                  init_image=a.init_image, strength=a.strength, batch_size=a.batch_size or 1)
+                  init_image=a.init_image, strength=a.strength, batch_size=1 if a.batch_size is None else a.batch_size)
         for name in ("steps", "guidance", "width", "height", "scheduler"):
             if getattr(a, name) is not None:
                 kw[name] = getattr(a, name)

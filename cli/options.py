@@ -6,6 +6,17 @@ import argparse
 from core.types import OptimizationFlags
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (`--batch-size 0` is an error, not the default)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1; got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {v}")
+    return v
+
+
 def add_optimization_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizations")
     g.add_argument("--precision", choices=["fp32", "tf32", "fp16", "bf16"], default="fp32",

@@ -102,7 +102,7 @@ def test_lists_and_options(studio, sd):
     ({**BODY, "enable_hr": True}, 422, "hires fix"),
     ({**BODY, "sampler_name": "Foo 9000"}, 422, "Foo 9000"),
     ({**BODY, "batch_size": 9, "n_iter": 2}, 422, "at most 16"),
-    ({**BODY, "steps": "many"}, 422, "steps must be a number"),
+    ({**BODY, "steps": "many"}, 422, "steps must be an integer from 1 to 150"),
     ({**BODY, "override_settings": {"sd_model_checkpoint": "/nowhere/model.safetensors"}}, 404, "/nowhere"),
 ])
 def test_bad_requests_get_clear_errors(studio, body, status, needle):

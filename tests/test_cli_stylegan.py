@@ -118,3 +118,13 @@ def test_compare_reports_the_reference_and_the_toggles(testdata, tmp_path):
     rc, _, stderr = run_cli("generate", "--backend", "stylegan", "--model", model, "--seed", "1", "--compare",
                             "--out", tmp_path / "x.png", "--quiet")
     assert rc != 0 and "Nothing to compare" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("value,needle", [("0", "must be at least 1; got 0"), ("-3", "must be at least 1; got -3"),
+                                          ("two", "must be a whole number of at least 1")])
+def test_batch_size_below_one_is_an_error_not_the_default(tmp_path, value, needle):
+    # argparse refuses it before any model is opened (it used to become the default of 8 silently)
+    rc, so, se = run_cli("generate", "--model", tmp_path / "unused.pkl", "--batch-size", value,
+                         "--out", tmp_path / "o.png", "--quiet")
+    assert rc == 2 and f"argument --batch-size: {needle}" in se, se
+    assert "Traceback" not in se and not (tmp_path / "o.png").exists()

@@ -14,6 +14,11 @@ shape: base64 PNGs (with both Atelier's and A1111's parameter chunks), the reque
 `parameters`, and `info` as a JSON string with all_seeds and infotexts. Fields Atelier does not
 implement (hires fix, restore faces, scripts, ...) are refused by name instead of being ignored.
 
+Requests are checked strictly before anything runs (types: integers are integers, numbers are finite,
+strings are strings; ranges; prompt length; unknown atelier_flags) and refused with 422 and the field's name.
+Uploaded images stay in memory only and are refused by their header's size (MAX_INPUT_PIXELS) before any
+pixel is decoded; img2img decodes its image only after taking the one-job lock.
+
 Jobs take the studio's GPU lock and appear on its queue board and in /metrics, so an API job
 and a browser job never share the GPU. With --auth the routes want the same user and password
 (HTTP Basic), as A1111's --api-auth does.
@@ -25,6 +30,8 @@ import binascii
 import dataclasses
 import io
 import json
+import logging
+import math
 import random
 import secrets
 import threading
@@ -37,84 +44,227 @@ from core.types import SEED_MAX, DiffusionParams, GenerationRequest, Job, Optimi
 from telemetry.live import DONE
 
 PREFIX = "/sdapi/v1"
+log = logging.getLogger(__name__)
 MAX_IMAGES = 16                       # batch_size x n_iter per request
+MAX_INPUT_PIXELS = 4096 * 4096        # an uploaded image (init_images, png-info) is refused above this, before decoding
+MAX_BODY_BYTES = 64 * 2**20           # a request body (base64 images included) is refused above this
+MAX_JSON_DEPTH = 32                   # arrays/objects nested deeper than this are refused
+MAX_NAME_CHARS = 200                  # sampler, scheduler and model names
+INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF")   # what an uploaded image may be (no EPS, PDF, ...)
 UNSUPPORTED = {                       # A1111 fields with an effect Atelier does not have: refused when set
     "enable_hr": "hires fix", "restore_faces": "face restoration", "tiling": "seamless tiling",
     "script_name": "scripts", "alwayson_scripts": "extensions", "subseed_strength": "variation seeds",
     "refiner_checkpoint": "the SDXL refiner", "mask": "inpainting masks",
 }
+_decode_slots = threading.BoundedSemaphore(2)   # png-info decodes at once (img2img decodes under the job lock)
 
 
-def _b64_image(data: str, what: str):
-    from PIL import Image
+def _kind(v: Any) -> str:
+    """A JSON value's type in JSON's words, for error messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f"the string {v[:40]!r}" + ("..." if len(v) > 40 else "")
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return "an array" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
+
+
+def check_json_shape(value: Any) -> None:
+    """Refuse bodies nested deeper than MAX_JSON_DEPTH and NaN/Infinity anywhere (JSON has neither; Python's
+    parser lets them through, and they could not be echoed back in `parameters`). Iterative: no recursion."""
+    stack = [(value, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InputError(f"{path or 'the body'} must be a finite number; got {_kind(v)} (JSON has no NaN or Infinity)")
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise InputError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, child in items:
+                where = (f"{path}.{k}" if path else str(k)) if isinstance(v, dict) else f"{path}[{k}]"
+                stack.append((child, where, depth + 1))
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request's JSON, or InputError (not JSON, too deep, NaN/Infinity)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise InputError(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError):
+        raise InputError("the request body is not JSON") from None
+    check_json_shape(body)
+    return body
+
+
+def _int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
+    """A whole number in lo..hi. Booleans, strings, null, fractions and non-finite numbers are refused;
+    20.0 is taken as 20 (JSON does not tell the two apart)."""
+    v = body.get(key, default)
+    ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
+    if not ok or not (lo <= v <= hi):
+        raise InputError(f"{key} must be an integer from {lo} to {hi}; got {_kind(v)}")
+    return int(v)
+
+
+def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key, default)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
+        rng = f"in ({lo:g}, {hi:g}]" if lo_open else f"from {lo:g} to {hi:g}"
+        raise InputError(f"{key} must be a finite number {rng}; got {_kind(v)}")
+    return float(v)
+
+
+def _str(body: dict, key: str, default: str | None, limit: int, nullable: bool = False) -> str | None:
+    v = body.get(key, default)
+    if v is None and nullable:
+        return None
+    if not isinstance(v, str):
+        raise InputError(f"{key} must be a string{' or null' if nullable else ''}; got {_kind(v)}")
+    if len(v) > limit:
+        raise InputError(f"{key} is {len(v)} characters long; at most {limit}")
+    return v
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise InputError(f"{key} must be true or false; got {_kind(v)}")
+    return v
+
+
+def _b64_image(data: Any, what: str):
+    """A base64 image, refused by its header's size before any pixel is decoded. Held in memory only."""
+    from PIL import Image, UnidentifiedImageError
 
     if not isinstance(data, str) or not data:
-        raise InputError(f"{what} must be a base64-encoded image")
+        raise InputError(f"{what} must be a base64-encoded image; got {_kind(data)}")
     if data.startswith("data:"):
         data = data.split(",", 1)[-1]
     try:
         raw = base64.b64decode(data, validate=False)
-        im = Image.open(io.BytesIO(raw))
+    except (binascii.Error, ValueError) as exc:
+        raise InputError(f"{what} is not valid base64 ({exc})") from None
+    Image.init()                                                        # registers every plugin PIL has
+    try:
+        im = Image.open(io.BytesIO(raw), formats=[f for f in INPUT_FORMATS if f in Image.OPEN])   # the header only
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"{what} is refused as a decompression bomb ({exc})") from None
+    except (UnidentifiedImageError, ValueError, OSError) as exc:
+        raise InputError(f"{what} is not a readable image; send a PNG, JPEG, WebP, BMP or GIF ({exc})") from None
+    w, h = im.size
+    if w * h > MAX_INPUT_PIXELS or w < 1 or h < 1:
+        im.close()
+        raise InputError(f"{what} is {w}x{h} = {w * h / 1e6:.1f} megapixels; images are accepted up to "
+                         f"{MAX_INPUT_PIXELS / 1e6:.1f} megapixels (e.g. 4096x4096)")
+    try:
         im.load()
-    except (binascii.Error, ValueError, OSError) as exc:
-        raise InputError(f"{what} is not a readable base64 image ({exc})") from None
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"{what} is refused as a decompression bomb ({exc})") from None
+    except (ValueError, OSError, SyntaxError, EOFError) as exc:
+        raise InputError(f"{what} is not a readable image ({exc})") from None
     return im
+
+
+FLAG_TYPES = {"precision": str, "channels_last": bool, "attention": str, "compile": str, "fp8": bool,
+              "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": list, "kernels": str,
+              "strict": bool}
 
 
 def _flags(override: dict) -> OptimizationFlags:
     """A1111 has no toggles in the request; Atelier's may be passed in override_settings.atelier_flags."""
+    from ui.controls import MEMORY_SAVERS
+
     raw = override.get("atelier_flags")
     if raw is None:
         return OptimizationFlags()
     if not isinstance(raw, dict):
         raise InputError("override_settings.atelier_flags must be an object like {\"precision\": \"bf16\"}")
+    unknown = sorted(set(raw) - set(FLAG_TYPES))
+    if unknown:
+        raise InputError(f"override_settings.atelier_flags.{unknown[0]} is not an Atelier flag; "
+                         f"known: {', '.join(FLAG_TYPES)}")
+    for key, kind in FLAG_TYPES.items():
+        if key not in raw:
+            continue
+        v, name = raw[key], f"override_settings.atelier_flags.{key}"
+        if kind is bool and not isinstance(v, bool):
+            raise InputError(f"{name} must be true or false; got {_kind(v)}")
+        if kind is str and not (isinstance(v, str) and len(v) <= MAX_NAME_CHARS):
+            raise InputError(f"{name} must be a string; got {_kind(v)}")
+        if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise InputError(f"{name} must be a finite number; got {_kind(v)}")
+        if kind is list and not (isinstance(v, list) and all(isinstance(m, str) and m in MEMORY_SAVERS for m in v)):
+            raise InputError(f"{name} must be a list of memory savers ({', '.join(MEMORY_SAVERS)}); got {_kind(v)}")
     return OptimizationFlags.from_dict(raw)
 
 
 def build_request(body: dict[str, Any], img2img: bool, device: str | None,
-                  save_init) -> tuple[GenerationRequest, int, list[str]]:
-    """A1111 txt2img/img2img JSON -> (request for the first iteration, n_iter, notes). Raises InputError."""
-    from pipelines.diffusion import resolve_scheduler_name
+                  decode_init=None) -> tuple[GenerationRequest, int, list[str]]:
+    """A1111 txt2img/img2img JSON -> (request for the first iteration, n_iter, notes). Raises InputError.
+
+    Every field is checked strictly (types, ranges, lengths) without decoding anything. For img2img the init
+    image is decoded only when `decode_init` is true-ish (the caller holds the job lock); otherwise
+    params.init_image is left None and the base64 text is checked for its type only."""
+    from pipelines.diffusion import MAX_BATCH, MAX_GUIDANCE, MAX_PROMPT_CHARS, MAX_SIDE, MAX_STEPS, resolve_scheduler_name
 
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object")
     for key, what in UNSUPPORTED.items():
         if body.get(key):
             raise InputError(f"{key} ({what}) is not supported by Atelier; leave it out")
-    override = body.get("override_settings") or {}
+    override = body.get("override_settings")
+    if override is None:
+        override = {}
     if not isinstance(override, dict):
-        raise InputError("override_settings must be an object")
+        raise InputError(f"override_settings must be an object; got {_kind(override)}")
 
-    def num(key, default, cast=float):
-        v = body.get(key, default)
-        try:
-            return cast(v)
-        except (TypeError, ValueError):
-            raise InputError(f"{key} must be a number; got {v!r}") from None
-
-    seed = num("seed", -1, int)
+    prompt = _str(body, "prompt", "", MAX_PROMPT_CHARS)
+    negative = _str(body, "negative_prompt", "", MAX_PROMPT_CHARS)
+    seed = _int(body, "seed", -1, -1, SEED_MAX)
     if seed == -1:
         seed = random.randint(0, SEED_MAX)
-    batch, n_iter = num("batch_size", 1, int), num("n_iter", 1, int)
-    if batch < 1 or n_iter < 1:
-        raise InputError("batch_size and n_iter must be at least 1")
+    batch, n_iter = _int(body, "batch_size", 1, 1, MAX_BATCH), _int(body, "n_iter", 1, 1, MAX_IMAGES)
     if batch * n_iter > MAX_IMAGES:
         raise InputError(f"batch_size x n_iter is {batch * n_iter}; at most {MAX_IMAGES} images a request")
-    scheduler = resolve_scheduler_name(body.get("sampler_name") or body.get("sampler_index") or "default",
-                                       body.get("scheduler"))
-    init_path = None
+    steps = _int(body, "steps", 20, 1, MAX_STEPS)
+    guidance = _num(body, "cfg_scale", 7.0, 0.0, MAX_GUIDANCE)
+    width, height = _int(body, "width", 512, 64, MAX_SIDE), _int(body, "height", 512, 64, MAX_SIDE)
+    sampler = _str(body, "sampler_name", None, MAX_NAME_CHARS, nullable=True)
+    sampler_index = _str(body, "sampler_index", None, MAX_NAME_CHARS, nullable=True)
+    schedule = _str(body, "scheduler", None, MAX_NAME_CHARS, nullable=True)
+    scheduler = resolve_scheduler_name(sampler or sampler_index or "default", schedule)
+    for key in ("save_images", "send_images"):
+        _bool(body, key, key == "send_images")
+    model = _str(override, "sd_model_checkpoint", None, 4096, nullable=True) if "sd_model_checkpoint" in override \
+        else _str(body, "sd_model_checkpoint", None, 4096, nullable=True)
+    flags = _flags(override)
+    notes: list[str] = []
+    init, strength = None, 0.75
     if img2img:
-        inits = body.get("init_images") or []
-        if not inits:
+        strength = _num(body, "denoising_strength", 0.75, 0.0, 1.0, lo_open=True)
+        inits = body.get("init_images")
+        if not isinstance(inits, list) or not inits:
             raise InputError("img2img needs init_images: a list with one base64 image")
-        init_path = save_init(_b64_image(inits[0], "init_images[0]"))
-    params = DiffusionParams(prompt=str(body.get("prompt", "")), negative_prompt=str(body.get("negative_prompt", "")),
-                             seed=seed, steps=num("steps", 20, int), guidance=num("cfg_scale", 7.0),
-                             width=num("width", 512, int), height=num("height", 512, int), scheduler=scheduler,
-                             batch_size=batch, init_image=init_path,
-                             strength=num("denoising_strength", 0.75) if img2img else 0.75)
-    model = override.get("sd_model_checkpoint") or body.get("sd_model_checkpoint") or None
-    return GenerationRequest("diffusion", model, params, _flags(override), device), n_iter, []
+        if not isinstance(inits[0], str) or not inits[0]:
+            raise InputError(f"init_images[0] must be a base64-encoded image; got {_kind(inits[0])}")
+        if len(inits) > 1:
+            notes.append(f"only init_images[0] is used; the other {len(inits) - 1} were ignored")
+        if decode_init:
+            init = _b64_image(inits[0], "init_images[0]")
+    elif body.get("denoising_strength") is not None:      # A1111's txt2img carries it for hires fix: type only
+        _num(body, "denoising_strength", 0.0, 0.0, 1.0)
+    params = DiffusionParams(prompt=prompt, negative_prompt=negative, seed=seed, steps=steps, guidance=guidance,
+                             width=width, height=height, scheduler=scheduler, batch_size=batch, init_image=init,
+                             strength=strength)
+    return GenerationRequest("diffusion", model or None, params, flags, device), n_iter, notes
 
 
 def infotext(meta: dict[str, Any], sampler_label: str, model_name: str) -> str:
@@ -169,18 +319,16 @@ class A1111Api:
         from pipelines.diffusion import SCHEDULERS, resolve_scheduler_name
 
         settings = self.services.settings
-        tmp = Path(settings.output_dir) / "api-inputs"
-
-        def save_init(im):
-            tmp.mkdir(parents=True, exist_ok=True)
-            path = tmp / f"init-{secrets.token_hex(6)}.png"
-            im.convert("RGB").save(path)
-            return str(path)
-
-        request, n_iter, notes = build_request(body, img2img, settings.device, save_init)
-        p = request.params
+        build_request(body, img2img, settings.device)         # every field checked before the lock; nothing decoded
         if not self._lock.acquire(blocking=False):
             raise ResourceError("another API job is running; wait for it or POST /sdapi/v1/interrupt")
+        try:
+            # the init image is decoded (in memory, size-checked first) only by the job holding the lock
+            request, n_iter, notes = build_request(body, img2img, settings.device, decode_init=img2img)
+        except BaseException:
+            self._lock.release()
+            raise
+        p = request.params
         ticket = self.rt.queue.join()
         try:
             job = Job(on_progress=self._on_progress)
@@ -282,10 +430,17 @@ def mount_a1111_api(demo) -> A1111Api:
         return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=status)
 
     async def body_of(request) -> dict:
-        try:
-            return await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise InputError("the request body is not JSON") from None
+        """The JSON body, read up to MAX_BODY_BYTES (a longer one is refused while it streams in)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise InputError(f"the request body is {int(declared) / 2**20:.1f} MiB; at most {MAX_BODY_BYTES // 2**20} MiB")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise InputError(f"the request body is over {MAX_BODY_BYTES // 2**20} MiB")
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks))
 
     def route(path: str, method: str):
         def deco(fn):
@@ -297,6 +452,10 @@ def mount_a1111_api(demo) -> A1111Api:
                     return error(exc)
                 except ImportError as exc:
                     return error(AtelierError(f"the diffusion backend cannot run here: {exc}"))
+                except Exception as exc:                # a bug: logged, and answered in the same JSON shape
+                    log.exception("%s %s failed", method, PREFIX + path)
+                    return JSONResponse({"error": type(exc).__name__, "detail": "internal error; see the server log"},
+                                        status_code=500)
             endpoint.__name__ = f"a1111_{fn.__name__}"
             endpoint.__annotations__ = {"request": Request}    # a real class: this module's annotations are strings
             demo.app.add_api_route(PREFIX + path, endpoint, methods=[method], include_in_schema=False)
@@ -305,27 +464,42 @@ def mount_a1111_api(demo) -> A1111Api:
 
     import anyio
 
+    def busy() -> None:
+        if api._lock.locked():                      # refused before the body is even read; checked again under the lock
+            raise ResourceError("another API job is running; wait for it or POST /sdapi/v1/interrupt")
+
     @route("/txt2img", "POST")
     async def txt2img(request):
+        busy()
         body = await body_of(request)
         return await anyio.to_thread.run_sync(api.generate, body, False)
 
     @route("/img2img", "POST")
     async def img2img(request):
+        busy()
         body = await body_of(request)
         return await anyio.to_thread.run_sync(api.generate, body, True)
+
+    def read_info(body) -> dict:
+        if not isinstance(body, dict):
+            raise InputError("the request body must be a JSON object like {\"image\": \"<base64>\"}")
+        with _decode_slots:                          # a few decodes at once, each size-checked before it starts
+            im = _b64_image(body.get("image"), "image")
+            try:
+                text = im.info.get("parameters", "")
+                try:
+                    params = read_png_params(im)
+                except Exception:                    # a visitor's text chunk that does not parse: no parameters
+                    params = {}
+                items = {k: v for k, v in im.info.items() if isinstance(v, str) and k != "parameters"}
+            finally:
+                im.close()
+        return {"info": text if isinstance(text, str) else "", "items": items, "parameters": params}
 
     @route("/png-info", "POST")
     async def png_info(request):
         body = await body_of(request)
-        im = _b64_image(body.get("image", ""), "image")
-        text = im.info.get("parameters", "")
-        try:
-            params = read_png_params(im)
-        except InputError:
-            params = {}
-        return {"info": text, "items": {k: v for k, v in im.info.items() if isinstance(v, str) and k != "parameters"},
-                "parameters": params}
+        return await anyio.to_thread.run_sync(read_info, body)
 
     @route("/sd-models", "GET")
     async def sd_models(request):
