@@ -179,6 +179,8 @@ class A1111Api:
 
         request, n_iter, notes = build_request(body, img2img, settings.device, save_init)
         p = request.params
+        if self.rt.draining.is_set():
+            raise ResourceError("the studio is shutting down and takes no new jobs")
         if not self._lock.acquire(blocking=False):
             raise ResourceError("another API job is running; wait for it or POST /sdapi/v1/interrupt")
         ticket = self.rt.queue.join()
