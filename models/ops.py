@@ -177,7 +177,9 @@ def setup_filter(
     """
     if f is None:
         f = 1
-    f = torch.as_tensor(f, dtype=torch.float32)
+    # built on `device` explicitly, so that a network built under `with torch.device("meta")` (the
+    # shape check of models.arch_limits) still gets its few filter taps
+    f = torch.as_tensor(f, dtype=torch.float32, device=device)
     if f.ndim == 0:
         f = f[None]
     if f.ndim not in (1, 2) or f.numel() == 0:

@@ -28,6 +28,7 @@ import torch
 
 from core.errors import InputError, ModelLoadError, UnsafeModelError
 from models import stylegan2
+from models.arch_limits import build_checked, check_init_kwargs, meta_shapes, shape_difference, tensor_shapes
 from models.nvlabs_pickle import PersistentRecord, read_network_pickle
 
 __all__ = [
@@ -125,20 +126,49 @@ def _stylegan3_module():
     return sg3
 
 
-def build_generator(arch: str, init_kwargs: dict) -> torch.nn.Module:
-    """A freshly initialised generator of `arch` from NVlabs-style constructor kwargs."""
+def _generator_class(arch: str) -> type:
     if arch == "stylegan2":
-        cls = stylegan2.Generator
-    elif arch == "stylegan3":
-        cls = _stylegan3_module().Generator
-    else:
-        raise ModelLoadError(f"unknown StyleGAN architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+        return stylegan2.Generator
+    if arch == "stylegan3":
+        return _stylegan3_module().Generator
+    raise ModelLoadError(f"unknown StyleGAN architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+
+
+def build_generator(arch: str, init_kwargs: dict, shapes: dict | None = None) -> torch.nn.Module:
+    """A freshly initialised generator of `arch` from NVlabs-style constructor kwargs.
+
+    The kwargs are bounds-checked first (models.arch_limits: every field named in the error).
+    With `shapes` ({name: shape} of the tensors a file holds) the network is first built on the
+    meta device and compared with them, so a config that does not fit its weights, or declares a
+    huge network around tiny ones, is refused before any memory is taken.
+    """
+    cls = _generator_class(arch)
     if not isinstance(init_kwargs, dict):
         raise ModelLoadError(f"the model config's init_kwargs must be a JSON object, got {type(init_kwargs).__name__}")
+    what = f"{arch} generator"
+    check_init_kwargs(init_kwargs, what)
+    if shapes is not None:
+        return build_checked(lambda: cls(**init_kwargs), shapes, what)
+    message = None
     try:
         return cls(**init_kwargs)
     except (TypeError, InputError, ValueError) as exc:
-        raise ModelLoadError(f"cannot build a {arch} generator from the config {init_kwargs}: {exc}") from None
+        message = f"cannot build a {arch} generator from the config {init_kwargs}: {exc}"
+    raise ModelLoadError(message)
+
+
+def _build_loaded(config: dict, state: dict[str, torch.Tensor], what: str) -> torch.nn.Module:
+    """build_generator checked against `state`, then its strict load; nothing is kept on failure."""
+    G = build_generator(config["arch"], config["init_kwargs"], shapes=tensor_shapes(state))
+    message = None
+    try:
+        stylegan2.load_state_strict(G, state, what)
+    except (ModelLoadError, RuntimeError) as exc:
+        message = str(exc)
+    if message is not None:
+        del G
+        raise ModelLoadError(message)
+    return G
 
 
 def detect_arch(rec: PersistentRecord) -> str:
@@ -241,12 +271,14 @@ def _load_ours(path: Path, device) -> LoadedGenerator:
     if not weights.is_file():
         raise ModelLoadError(f"the weights file {weights} is missing (a .json config needs its .safetensors next to it)")
     try:
-        state = load_file(str(weights), device="cpu")
+        # config and tensor shapes first (the header only): a config declaring a network that does
+        # not fit the file is refused before the weights are read or the network is built
+        with safe_open(str(weights), framework="pt") as fh:
+            header = (fh.metadata() or {}).get(_HEADER_KEY)
+            shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
         if sidecar.is_file():
             config = _read_json_config(sidecar)
         else:
-            with safe_open(str(weights), framework="pt") as fh:
-                header = (fh.metadata() or {}).get(_HEADER_KEY)
             if header is None:
                 raise ModelLoadError(f"{weights.name} has no config: put its {sidecar.name} next to it "
                                      "(written by save_generator / convert_pickle)")
@@ -254,11 +286,18 @@ def _load_ours(path: Path, device) -> LoadedGenerator:
                 config = _validate_config(json.loads(header), f"the config inside {weights.name}")
             except json.JSONDecodeError as exc:
                 raise ModelLoadError(f"the config inside {weights.name} is not valid JSON: {exc}") from None
+        what = f"{config['arch']} generator of {weights.name}"
+        check_init_kwargs(config["init_kwargs"], what)
+        cls, kwargs = _generator_class(config["arch"]), config["init_kwargs"]
+        diff = shape_difference(meta_shapes(lambda: cls(**kwargs), what), shapes)
+        if diff:
+            raise ModelLoadError(f"the weights in {weights.name} do not fit the {config['arch']} generator its "
+                                 f"config declares (checked before building it): {diff}")
+        state = load_file(str(weights), device="cpu")
     except SafetensorError as exc:
         raise ModelLoadError(f"{weights.name} is not a valid safetensors file: {exc}") from None
     _check_finite(state, weights.name)
-    G = build_generator(config["arch"], config["init_kwargs"])
-    stylegan2.load_state_strict(G, state, f"{config['arch']} generator of {weights.name}")
+    G = _build_loaded(config, state, what)
     return _finish(G, config["arch"], config, weights, device)
 
 
@@ -339,8 +378,7 @@ def _load_torch(path: Path, device) -> LoadedGenerator:
                                                       for k, v in obj.items()):
         raise ModelLoadError(f"{path.name} does not hold a state dict (a mapping of names to tensors)")
     _check_finite(obj, path.name)
-    G = build_generator(config["arch"], config["init_kwargs"])
-    stylegan2.load_state_strict(G, obj, f"{config['arch']} generator of {path.name}")
+    G = _build_loaded(config, obj, f"{config['arch']} generator of {path.name}")
     return _finish(G, config["arch"], config, path, device)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from core.errors import InputError, ModelLoadError
+from models.arch_limits import build_and_load
 from models.common import jsonable, load_state_strict, truncate  # noqa: F401  (re-exported)
 from models.ops import (
     FullyConnectedLayer,
@@ -866,14 +867,18 @@ def _discriminator_kwargs(rec) -> dict:
 
 
 def generator_from_record(rec) -> Generator:
-    """Build our Generator from a pickled NVlabs Generator record and load its state (strict)."""
-    G = _build(Generator, _generator_kwargs(rec), "generator")
-    load_state_strict(G, rec.state_dict(), "StyleGAN2 generator")
-    return G
+    """Build our Generator from a pickled NVlabs Generator record and load its state (strict).
+
+    The recorded kwargs are bounds-checked and the network is first built on the meta device and
+    compared with the record's tensors (models.arch_limits), so a pickle that declares a huge
+    network is refused before anything is allocated."""
+    kwargs = _generator_kwargs(rec)
+    return build_and_load(lambda: _build(Generator, kwargs, "generator"), rec.state_dict(),
+                          "StyleGAN2 generator", kwargs=kwargs)
 
 
 def discriminator_from_record(rec) -> Discriminator:
     """Build our Discriminator from a pickled NVlabs Discriminator record and load its state (strict)."""
-    D = _build(Discriminator, _discriminator_kwargs(rec), "discriminator")
-    load_state_strict(D, rec.state_dict(), "StyleGAN2 discriminator")
-    return D
+    kwargs = _discriminator_kwargs(rec)
+    return build_and_load(lambda: _build(Discriminator, kwargs, "discriminator"), rec.state_dict(),
+                          "StyleGAN2 discriminator", min_resolution=8, kwargs=kwargs)

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from core.errors import InputError, ModelLoadError
 from models import ops
-from models.common import jsonable, load_state_strict, truncate
+from models.arch_limits import build_and_load
+from models.common import jsonable, load_state_strict, truncate  # noqa: F401
 
 __all__ = [
     "ARCH",
@@ -795,11 +796,11 @@ def generator_from_record(rec: Any) -> Generator:
     if "synthesis.input.freqs" not in state:
         raise ModelLoadError("this generator has no Fourier-feature input (synthesis.input.freqs), so it is not "
                              "StyleGAN3; load it as StyleGAN2")
-    kwargs = jsonable(dict(rec.init_kwargs))
     try:
-        G = Generator(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"cannot build a StyleGAN3 generator from the pickle's settings {kwargs}: {exc}") from None
-
-    load_state_strict(G, {k: v.to(torch.float32) for k, v in state.items()}, "StyleGAN3 generator")
+        kwargs = jsonable(dict(rec.init_kwargs))
+    except InputError as exc:
+        raise ModelLoadError(f"the pickled StyleGAN3 generator has an argument we cannot use: {exc}") from None
+    # bounds first, then a meta-device build compared with the tensors, then the real build (arch_limits)
+    G = build_and_load(lambda: Generator(**kwargs), {k: v.to(torch.float32) for k, v in state.items()},
+                       "StyleGAN3 generator", kwargs=kwargs)
     return G.eval()

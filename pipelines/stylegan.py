@@ -213,8 +213,12 @@ def write_animation(frames: list, path: str | Path, fps: int = 24) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".gif":
-        frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
-        return path
+        from core.atomic import write_atomic
+
+        # a temporary name, then moved into place: a kill mid-write leaves no truncated GIF in the gallery
+        return write_atomic(path, lambda tmp: frames[0].save(tmp, format="GIF", save_all=True,
+                                                             append_images=frames[1:], duration=int(1000 / fps),
+                                                             loop=0))
     if path.suffix.lower() == ".mp4":
         try:
             import imageio.v2 as imageio

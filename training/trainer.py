@@ -611,8 +611,11 @@ class Trainer:
     def save_grid(self, path: Path, psi: float = 1.0) -> None:
         from PIL import Image
 
+        from core.atomic import write_atomic
+
         imgs = to_uint8_hwc(self.render(64, psi=psi))
-        Image.fromarray(image_grid(imgs, 8)).save(path)
+        grid = Image.fromarray(image_grid(imgs, 8))
+        write_atomic(path, lambda tmp: grid.save(tmp, format="PNG"))   # the train view polls this file
 
     def _load(self, folder) -> None:
         doc, tensors = ckpt.load_checkpoint(folder)

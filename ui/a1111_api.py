@@ -320,6 +320,8 @@ class A1111Api:
 
         settings = self.services.settings
         build_request(body, img2img, settings.device)         # every field checked before the lock; nothing decoded
+        if self.rt.draining.is_set():
+            raise ResourceError("the studio is shutting down and takes no new jobs")
         if not self._lock.acquire(blocking=False):
             raise ResourceError("another API job is running; wait for it or POST /sdapi/v1/interrupt")
         try:

@@ -76,6 +76,30 @@ class StudioRuntime:
         # weak: Gradio owns the sessions (and expires them); this map only finds one when its tab closes
         self._sessions: weakref.WeakValueDictionary[str, SessionState] = weakref.WeakValueDictionary()
         self._sessions_lock = threading.Lock()
+        # shutdown (SIGTERM): no new jobs once draining; the running ones are tracked so drain() can wait
+        self.draining = threading.Event()
+        self._active: set[Job] = set()
+        self._active_cv = threading.Condition()
+
+    # -- shutdown ---------------------------------------------------------------------
+    def active_jobs(self) -> list[Job]:
+        with self._active_cv:
+            return list(self._active)
+
+    def drain(self, grace_s: float = 30.0, cancel_wait_s: float = 30.0) -> dict[str, int]:
+        """Stop taking new jobs; let running ones finish for up to `grace_s` seconds, then cancel the rest
+        (they stop at their next step) and wait up to `cancel_wait_s` for them. Returns how many
+        finished, were cancelled, and were still running when it gave up."""
+        self.draining.set()
+        with self._active_cv:
+            running = len(self._active)
+            self._active_cv.wait_for(lambda: not self._active, timeout=max(grace_s, 0))
+            cancelled = list(self._active)
+            for job in cancelled:
+                job.cancel()
+            self._active_cv.wait_for(lambda: not self._active, timeout=max(cancel_wait_s, 0))
+            left = len(self._active)
+        return {"finished": running - len(cancelled), "cancelled": len(cancelled) - left, "left": left}
 
     # -- sessions (so that closing a tab stops its job) -----------------------------
     def remember(self, session_hash: str | None, session: SessionState) -> None:
@@ -108,6 +132,14 @@ class StudioRuntime:
         """Run `spec` for `session`. `ticket_id` is the place its Generate click took (None from the API:
         take one now). A ticket cancelled while it waited ends the event at once."""
         ticket = session.tickets.get(int(ticket_id)) if ticket_id else None
+        if self.draining.is_set():             # shutting down (SIGTERM): no new jobs
+            if ticket is not None:
+                self.queue.leave(ticket)
+                session.tickets.pop(ticket.id, None)
+            msg = "The studio is shutting down and takes no new jobs."
+            session.tracker.finish(FAILED, {}, message=msg)
+            yield Progress(done=True, state=FAILED, message=msg)
+            return
         if ticket is None:
             ticket = self.enqueue(session, spec.kind)
         if ticket.cancelled:
@@ -131,6 +163,14 @@ class StudioRuntime:
         box: dict[str, Any] = {}
 
         def work():
+            try:
+                _work()
+            finally:
+                with self._active_cv:
+                    self._active.discard(job)
+                    self._active_cv.notify_all()
+
+        def _work():
             with self.gpu_lock:
                 if job.cancelled:       # stopped while an abandoned worker still held the GPU
                     box["error"] = Cancelled("cancelled by the user")
@@ -146,6 +186,10 @@ class StudioRuntime:
         # the thread runs in a copy of this context: ZeroGPU reads the visitor's request (for quotas) from it
         worker = threading.Thread(target=contextvars.copy_context().run, args=(work,),
                                   name=f"atelier-job-{ticket.id}", daemon=True)
+        with self._active_cv:
+            self._active.add(job)
+        if self.draining.is_set():             # drain() began after the check above: stop at the first step
+            job.cancel()
         worker.start()
         seen_preview = tracker.latest_preview()[0]
         try:
@@ -185,6 +229,9 @@ class StudioRuntime:
                 log.exception("generation failed", exc_info=err)
             msg = str(err) if isinstance(err, AtelierError) else f"unexpected error: {type(err).__name__}: {err}"
             msg = self.visitor_text(msg)
+            # drop the traceback: its frames hold whatever the failed job had (a refused model's tensors)
+            err = err.with_traceback(None)
+            box.pop("error", None)
             tracker.finish(FAILED, job.timings_ms, message=msg)
             self.metrics.observe_job(backend, "failed", job.timings_ms)
             return Progress(done=True, state=FAILED, message=msg, error=err)

@@ -775,7 +775,55 @@ def startup_banner(s, demo) -> str:
     return "\n".join(lines)
 
 
+def drain_and_close(demo: gr.Blocks, grace_s: float | None = None, why: str = "SIGTERM") -> dict[str, int]:
+    """Shut the studio down cleanly: take no new jobs, let the running ones finish for `grace_s`
+    seconds (env ATELIER_DRAIN_S, default 30), cancel what is left, stop training runs, close
+    the server. Prints one line when it starts and one when it is done."""
+    import os
+
+    if grace_s is None:
+        try:
+            grace_s = float(os.environ.get("ATELIER_DRAIN_S", "30"))
+        except ValueError:
+            grace_s = 30.0
+    rt: StudioRuntime = demo.atelier_runtime
+    running = len(rt.active_jobs())
+    print(f"Atelier studio: {why} received; taking no new jobs, waiting up to {grace_s:g} s for "
+          f"{running} running job(s)", file=sys.stderr, flush=True)
+    report = rt.drain(grace_s)
+    training = getattr(demo, "atelier_training", None)
+    if training is not None and hasattr(training, "stop_all"):
+        try:
+            training.stop_all(wait=True, grace_s=grace_s)
+        except Exception as exc:   # shutting down regardless; say why the run may not have stopped cleanly
+            print(f"Atelier studio: stopping training runs failed: {exc}", file=sys.stderr, flush=True)
+    demo.close()
+    print(f"Atelier studio: stopped ({report['finished']} job(s) finished, {report['cancelled']} cancelled, "
+          f"{report['left']} still running)", file=sys.stderr, flush=True)
+    return report
+
+
 def launch(services: Services) -> None:
-    """`python app.py`: serve on settings.host:port (127.0.0.1 unless told otherwise) until interrupted."""
-    demo = serve(services)
-    demo.block_thread()
+    """`python app.py`: serve on settings.host:port (127.0.0.1 unless told otherwise) until SIGTERM or
+    Ctrl-C; then drain (no new jobs, the running one finishes or is cancelled) and return, so the
+    process exits 0 and no half-written output is left behind."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    why = {"name": "SIGTERM"}
+
+    def on_signal(signum, _frame):
+        why["name"] = signal.Signals(signum).name
+        stop.set()
+
+    # installed before serving: a SIGTERM right after the banner must drain, not kill
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        demo = serve(services)
+        while not stop.wait(1.0):   # a timed wait: the handler runs on this (main) thread between waits
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    drain_and_close(demo, why=why["name"])
