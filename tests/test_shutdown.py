@@ -24,7 +24,7 @@ from PIL import Image
 
 from core.errors import Cancelled
 from core.pnginfo import read_png_params, save_png
-from tests.ui_helpers import SG_UNCOND, free_port
+from tests.ui_helpers import PORT_ATTEMPTS, SG_UNCOND, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 180.0   # generous: only a bound on a hang, never a timing assertion
@@ -208,16 +208,26 @@ def test_sigterm_drains_the_studio_and_exits_zero(tmp_path, testdata):
                ATELIER_RUNS_DIR=str(tmp_path / "runs"), ATELIER_DEVICE="cpu", ATELIER_DRAIN_S="5",
                GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
     env.pop("ATELIER_MODE", None)
-    cmd = [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(free_port()),
-           "--model", str(SG_UNCOND)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    q: queue.Queue = queue.Queue()
-    for stream, name in ((proc.stdout, "out"), (proc.stderr, "err")):
-        threading.Thread(target=_lines, args=(stream, q, name), daemon=True).start()
-    seen: list[str] = []
-    closed: set = set()
+    # The port is free when picked but released before the server binds it: another process may take
+    # it in between, so a start that fails on the port is retried with a fresh one.
+    for attempt in range(PORT_ATTEMPTS):
+        cmd = [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(free_port()),
+               "--model", str(SG_UNCOND)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        q: queue.Queue = queue.Queue()
+        for stream, name in ((proc.stdout, "out"), (proc.stderr, "err")):
+            threading.Thread(target=_lines, args=(stream, q, name), daemon=True).start()
+        seen: list[str] = []
+        closed: set = set()
+        try:
+            wait_for_line(q, "Atelier studio (", seen, closed)      # the startup banner: it is serving
+            break
+        except AssertionError:
+            proc.wait(timeout=TIMEOUT)
+            if attempt + 1 < PORT_ATTEMPTS and any("port" in line.lower() for line in seen):
+                continue
+            raise
     try:
-        wait_for_line(q, "Atelier studio (", seen, closed)          # the startup banner: it is serving
         proc.send_signal(signal.SIGTERM)
         wait_for_line(q, "SIGTERM received", seen, closed)
         wait_for_line(q, "Atelier studio: stopped", seen, closed)
