@@ -31,6 +31,9 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--model", action="append", default=[], help="extra model path or hub id (repeatable)")
     p.add_argument("--queue-size", type=int, default=None)
+    p.add_argument("--warmup", action="store_true",
+                   help="load the default model and generate one image at start, so /readyz turns 200 "
+                        "(or env ATELIER_WARMUP=1)")
     a = p.parse_args(argv)
     auth = tuple(a.auth.split(":", 1)) if a.auth and ":" in a.auth else None
     if a.auth and auth is None:
@@ -40,7 +43,8 @@ def _serve(argv: list[str]) -> int:
         allow = parse_allow(a.allow) if a.allow is not None else None
         settings = Settings.from_env(host=a.host, port=a.port, share=a.share or None, auth=auth, device=a.device,
                                      extra_models=tuple(a.model) or None, queue_max_size=a.queue_size,
-                                     mode=a.mode, allow=allow, data_dirs=tuple(a.data_dir) or None)
+                                     mode=a.mode, allow=allow, data_dirs=tuple(a.data_dir) or None,
+                                     warmup=a.warmup or None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

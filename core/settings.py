@@ -53,6 +53,7 @@ class Settings:
     allow: frozenset[str] = frozenset()                         # public mode: what visitors may do besides generate
     data_dirs: tuple[Path, ...] = ()                            # public mode + train: where training data may come from
     on_space: bool = False                                      # running as a Hugging Face Space (SPACE_ID set)
+    warmup: bool = False                                        # load the default model and generate once at start
 
     def __post_init__(self):
         if self.mode == "auto":
@@ -103,6 +104,8 @@ class Settings:
             kw["allow"] = parse_allow(env["ATELIER_ALLOW"])
         if env.get("ATELIER_DATA_DIRS"):
             kw["data_dirs"] = tuple(Path(p) for p in env["ATELIER_DATA_DIRS"].split(os.pathsep) if p)
+        if env.get("ATELIER_WARMUP", "").strip().lower() in ("1", "true", "yes", "on"):
+            kw["warmup"] = True
         if env.get("SPACE_ID"):
             kw["on_space"] = True
             kw.setdefault("host", "0.0.0.0")   # Spaces route to the container's port

@@ -29,6 +29,7 @@ class ModelManager:
         self.max_cached = max_cached
         self.cache_dir = cache_dir
         self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._warm: set[tuple] = set()     # cached pipelines that have completed one generation (readiness)
         self._lock = threading.RLock()
         self.last_load_ms: float | None = None
 
@@ -50,6 +51,22 @@ class ModelManager:
             while len(self._cache) > self.max_cached:
                 self._evict_one()
             return pipe
+
+    def _request_key(self, request: GenerationRequest) -> tuple:
+        device = pick_device(request.device or self.default_device)
+        return self._key(request, device, self.catalogue.resolve(request.model, request.backend).id)
+
+    def mark_warm(self, request: GenerationRequest) -> None:
+        """Record that this request's pipeline (if still cached) has completed a generation."""
+        key = self._request_key(request)
+        with self._lock:
+            if key in self._cache:
+                self._warm.add(key)
+
+    def holds_warm(self, backend: str, model_id: str) -> bool:
+        """Whether a pipeline of `model_id` (any flags, any device) is cached and has generated once."""
+        with self._lock:
+            return any(k[0] == backend and k[1] == model_id for k in self._warm if k in self._cache)
 
     def is_loaded(self, request: GenerationRequest) -> bool:
         """Whether a pipeline for exactly this request's model, flags and device is in the cache."""
@@ -99,6 +116,7 @@ class ModelManager:
 
     def _evict_one(self) -> None:
         key, pipe = self._cache.popitem(last=False)
+        self._warm.discard(key)
         del pipe
         gc.collect()
         if torch.cuda.is_available():
@@ -119,8 +137,11 @@ class ModelManager:
         with job.stage("load"):
             pipe = self.get(request)
         try:
-            return pipe.generate(request, job)
+            result = pipe.generate(request, job)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise ResourceError("out of GPU memory for this request: lower the batch size or image size, "
                                 "or turn on a memory saver") from None
+        if not result.cancelled:
+            self.mark_warm(request)
+        return result

@@ -19,7 +19,7 @@ from ui.access import LoginLimiter, redact_paths, share_warning, strip_api_info,
 USER, PASSWORD = "ana", "s3cret-pass"
 OPEN = {"/", "/login", "/login/", "/favicon.ico", "/theme.css", "/gradio_api/theme.css", "/manifest.json",
         "/robots.txt", "/gradio_api/login_check", "/gradio_api/login_check/", "/gradio_api/app_id",
-        "/gradio_api/app_id/", "/healthz", "/gradio_api/startup-events"}
+        "/gradio_api/app_id/", "/healthz", "/readyz", "/gradio_api/startup-events"}
 OPEN_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon", "/gradio_api/static/", "/gradio_api/assets/")
 
 

@@ -24,7 +24,8 @@ from core.settings import Settings
 # what the login page itself needs before anyone signs in (everything else answers 401)
 OPEN_PATHS = frozenset({"/", "/login", "/login/", "/favicon.ico", "/theme.css", "/gradio_api/theme.css",
                         "/manifest.json", "/robots.txt", "/gradio_api/login_check", "/gradio_api/login_check/",
-                        "/gradio_api/app_id", "/gradio_api/app_id/", "/healthz",
+                        "/gradio_api/app_id", "/gradio_api/app_id/",
+                        "/healthz", "/readyz",   # probes: a status word and a short reason, nothing else
                         "/gradio_api/startup-events"})   # launch() calls it, unsigned, to start the queue
 OPEN_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon", "/gradio_api/static/", "/gradio_api/assets/")
 API_INFO = re.compile(rb"window\.gradio_api_info\s*=\s*.*?;\s*</script>", re.S)

@@ -12,7 +12,7 @@ import logging
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,7 +21,7 @@ from core.device import pick_device, synchronizer
 import core.errors as errors
 from core.errors import AtelierError, Cancelled
 from core.pnginfo import save_png
-from core.types import Job, ProgressEvent
+from core.types import GenerationRequest, Job, ProgressEvent, StyleGANParams
 from pipelines.services import Services
 from pipelines.stylegan import write_animation
 from telemetry.live import DONE, FAILED, STOPPED, MemoryHistory
@@ -33,6 +33,7 @@ from ui.controls import JobSpec
 from ui.state import GpuQueue, ResultItem, SessionState, Ticket
 
 log = logging.getLogger("atelier.ui")
+DEFAULT_BACKEND = "stylegan"   # the backend the studio opens on; /readyz waits for its default model
 MAX_GALLERY = 200          # more images than this are saved, but the gallery shows the first ones
 
 
@@ -80,6 +81,53 @@ class StudioRuntime:
         self.draining = threading.Event()
         self._active: set[Job] = set()
         self._active_cv = threading.Condition()
+        # readiness (/readyz): the default model's id once known, and the start-up warm-up if one was asked for
+        self._default_id: str | None = None
+        self._warmup: threading.Thread | None = None
+        self._warmup_failed = False
+
+    # -- readiness (/readyz) ----------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, short reason): ready when not draining and the model manager holds the default model
+        (DEFAULT_BACKEND's default) after one completed generation with it, a job's or the warm-up's.
+        The reason names no model and no path: /readyz answers it without a sign-in."""
+        if self.draining.is_set():
+            return False, "shutting down"
+        if self._default_id is None:
+            try:
+                self._default_id = self.services.catalogue.default(DEFAULT_BACKEND).id
+            except AtelierError:
+                return False, "no default model is installed"
+        if self.bridge is not None:   # ZeroGPU: models load in the GPU worker for each call, none stays here
+            return True, "ready"
+        if self.services.manager.holds_warm(DEFAULT_BACKEND, self._default_id):
+            return True, "ready"
+        if self._warmup_failed:
+            return False, "the default model failed to warm up"
+        if (self._warmup is not None and self._warmup.is_alive()) or self.active_jobs():
+            return False, "loading the default model"
+        return False, "the default model is not loaded yet (no generation has run)"
+
+    def start_warmup(self) -> threading.Thread:
+        """Load the default model and generate one image with it on a background thread (`--warmup`), so
+        /readyz turns 200 without waiting for a first visitor."""
+        def warm():
+            try:
+                with self.gpu_lock:
+                    if self.draining.is_set():
+                        return
+                    req = GenerationRequest(DEFAULT_BACKEND, None, StyleGANParams(seeds=(0,), batch_size=1))
+                    pipe = self.services.manager.get(req)
+                    if getattr(getattr(getattr(pipe, "loaded", None), "G", None), "c_dim", 0):
+                        req = replace(req, params=replace(req.params, class_index=0))   # a conditional model
+                    self.services.manager.generate(req)
+            except Exception as exc:   # the studio still serves; /readyz says the warm-up failed
+                self._warmup_failed = True
+                log.error("warm-up of the default model failed: %s", self.visitor_text(str(exc)))
+
+        self._warmup = threading.Thread(target=warm, name="atelier-warmup", daemon=True)
+        self._warmup.start()
+        return self._warmup
 
     # -- shutdown ---------------------------------------------------------------------
     def active_jobs(self) -> list[Job]:
@@ -343,6 +391,7 @@ class StudioRuntime:
                 meta = {**base, "mode": "style-mix", "row_seeds": list(mix.rows), "col_seeds": list(mix.cols),
                         "layers": list(mix.layers), "seeds": list(mix.cols)}
                 path = save_png(grid, self._out_path("stylemix"), meta)
+            manager.mark_warm(req)
             return [ResultItem(str(path), meta, f"style mix {len(mix.rows)}×{len(mix.cols)}, layers {mix.layers[0]}–{mix.layers[1]}")], None
         if spec.kind == "interpolate":
             seeds = list(p.seeds)
@@ -350,6 +399,7 @@ class StudioRuntime:
                 frames = pipe.interpolate(seeds, spec.frames_per_seed, p, space=spec.space, job=job)
             with job.stage("encode"):
                 path = write_animation(frames, self._out_path("interp", "." + spec.animation_format), fps=spec.fps)
+            manager.mark_warm(req)
             meta = {**base, "mode": "interpolate", "seeds": seeds, "frames_per_seed": spec.frames_per_seed,
                     "space": spec.space, "fps": spec.fps, "frames": len(frames)}
             return [ResultItem(str(path), meta, f"{len(frames)} frames through seeds {seeds}")], None

@@ -736,6 +736,28 @@ def mount_metrics(demo: gr.Blocks) -> None:
     demo.app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
 
 
+def mount_probes(demo: gr.Blocks) -> None:
+    """/healthz (the process answers: always 200) and /readyz (200 once the default model is loaded and has
+    generated once, 503 with a short reason before that and while draining), for load balancers and
+    orchestrators. Both are open with --auth (ui/access.py) and say nothing beyond a status and a reason."""
+    from fastapi.responses import JSONResponse
+
+    rt: StudioRuntime = demo.atelier_runtime
+    no_store = {"cache-control": "no-store"}
+
+    def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"}, headers=no_store)
+
+    def readyz() -> JSONResponse:
+        ready, reason = rt.readiness()
+        if ready:
+            return JSONResponse({"status": "ready"}, headers=no_store)
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503, headers=no_store)
+
+    demo.app.add_api_route("/healthz", healthz, methods=["GET", "HEAD"], include_in_schema=False)
+    demo.app.add_api_route("/readyz", readyz, methods=["GET", "HEAD"], include_in_schema=False)
+
+
 def serve(services: Services, *, host: str | None = None, port: int | None = None, quiet: bool = False) -> gr.Blocks:
     """Build and start the studio without blocking; returns the running Blocks (`.local_url`, `.close()`)."""
     from starlette.middleware import Middleware
@@ -756,6 +778,9 @@ def serve(services: Services, *, host: str | None = None, port: int | None = Non
                 app_kwargs={"middleware": [guard]})
     demo.atelier_login_limiter = limiter
     mount_metrics(demo)
+    mount_probes(demo)
+    if s.warmup:
+        demo.atelier_runtime.start_warmup()
     from ui.a1111_api import mount_a1111_api
 
     mount_a1111_api(demo)
