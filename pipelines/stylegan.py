@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from core.device import peak_memory_bytes, reset_peak_memory
-from core.errors import InputError
+from core.errors import Cancelled, InputError
 from core.types import GenerationRequest, GenerationResult, Job, OptimizationFlags, StyleGANParams
 from models import kernels as _kernels
 from models import ops
@@ -96,8 +96,13 @@ class StyleGANPipeline:
         # 3. synthesis in batches, one progress step per batch
         # Pixels are made on the device (only uint8 crosses to the host for the images), and the
         # finiteness check stays there too: one host sync per batch, at the copy.
+        # Stop keeps what is finished: a cancel at the step after batch k returns the k finished batches as
+        # a cancelled result (as A1111/ComfyUI keep the images of an interrupted batch); a cancel before the
+        # first batch raises Cancelled, as there is nothing to keep.
         outs, pixels, finite = [], [], []
         n_batches = math.ceil(len(p.seeds) / p.batch_size)
+        stopped = False
+        job.check_cancelled()
         with job.stage("synthesis"):
             for b in range(n_batches):
                 zb = torch.from_numpy(zs[b * p.batch_size:(b + 1) * p.batch_size]).to(self.device, non_blocking=True)
@@ -105,8 +110,13 @@ class StyleGANPipeline:
                 finite.append(torch.isfinite(img).all())
                 pixels.append(to_uint8_array(img))
                 outs.append(img.cpu())
-                job.step(b + 1, n_batches)
+                try:
+                    job.step(b + 1, n_batches)
+                except Cancelled:
+                    stopped = b + 1 < n_batches   # a Stop during the last batch is too late: the job is done
+                    break
         raw = torch.cat(outs).numpy()
+        seeds = p.seeds[:raw.shape[0]]
         # 4. postprocess
         with job.stage("postprocess"):
             images = uint8_to_images(np.concatenate(pixels))
@@ -125,7 +135,8 @@ class StyleGANPipeline:
         return GenerationResult(
             images=images, raw=raw, timings_ms=dict(job.timings_ms), peak_memory_bytes=peak_memory_bytes(self.device),
             device=str(self.device), dtype=self.optimizations.get("precision", {}).get("mode", "fp32"),
-            optimizations=self.optimizations, metadata=[{**meta_common, "seed": s} for s in p.seeds],
+            optimizations=self.optimizations, metadata=[{**meta_common, "seed": s} for s in seeds],
+            notes=[f"stopped after {len(seeds)} of {len(p.seeds)} images"] if stopped else [], cancelled=stopped,
         )
 
     # -- style mixing: rows take coarse styles from row seeds, columns the rest ---------

@@ -43,6 +43,7 @@ class JobSnapshot:
     last_total_ms: float | None = None
     last_images: int = 0
     last_peak_bytes: int | None = None
+    last_state: str = ""                # DONE, or STOPPED when the last timed job was stopped with images kept
     message: str = ""
     preview_seq: int = 0                # bumps when a new preview image arrives
 
@@ -73,6 +74,7 @@ class JobTracker:
         self._last_total_ms: float | None = None
         self._last_images = 0
         self._last_peak: int | None = None
+        self._last_state = ""
         self._message = ""
         self._preview = None
         self._preview_seq = 0
@@ -117,8 +119,10 @@ class JobTracker:
             self._stage_ms = dict(timings_ms)
             self._job = None
             self._preview = None        # the job is over: do not keep its last preview image alive
-            if state == DONE:
-                # only a finished job replaces "the last job's latency": a stopped one would read as fast
+            if state == DONE or (state == STOPPED and images > 0):
+                # a finished job replaces "the last job's latency", and so does a stopped one that kept the
+                # images it finished (timed per image, labelled stopped); one that kept none would read as fast
+                self._last_state = state
                 self._last_stage_ms = dict(timings_ms)
                 self._last_total_ms = sum(timings_ms.values())
                 self._last_images = images
@@ -146,7 +150,8 @@ class JobTracker:
             snap = dict(state=state, kind=self._kind, stage=stage, step=step, total=total,
                         stage_ms=stage_ms, last_stage_ms=dict(self._last_stage_ms),
                         last_total_ms=self._last_total_ms, last_images=self._last_images,
-                        last_peak_bytes=self._last_peak, message=self._message, preview_seq=self._preview_seq)
+                        last_peak_bytes=self._last_peak, last_state=self._last_state, message=self._message,
+                        preview_seq=self._preview_seq)
         last = steps[-1] if steps else None
         window = steps[-RATE_WINDOW:]
         mean_ms = sum(window) / len(window) if window else None

@@ -68,3 +68,34 @@ def test_interpolation_starts_at_each_seed_and_writes_gif_and_mp4(pipe, tmp_path
 def test_truncation_zero_gives_the_average_image(pipe):
     a, b = _images(pipe, [0, 1], psi=0.0).raw
     assert np.allclose(a, b, atol=1e-5)
+
+
+def _cancel_at(step: int) -> Job:
+    """A job that presses Stop when batch `step` reports (as Stop pressed while batch `step + 1` runs)."""
+    job = Job(on_progress=lambda ev: ev.step == step and job.cancel())
+    return job
+
+
+def test_stop_keeps_the_finished_batches(pipe):
+    req = GenerationRequest("stylegan", None, StyleGANParams(seeds=tuple(range(10, 20)), batch_size=3))
+    full = pipe.generate(req, Job())
+    for k in (1, 2, 3):                       # 4 batches of 3, 3, 3, 1
+        part = pipe.generate(req, _cancel_at(k))
+        assert part.cancelled and len(part.images) == 3 * k and part.raw.shape[0] == 3 * k
+        assert [m["seed"] for m in part.metadata] == list(range(10, 10 + 3 * k))
+        assert np.array_equal(part.raw, full.raw[:3 * k])
+        assert part.notes == [f"stopped after {3 * k} of 10 images"]
+        assert "synthesis" in part.timings_ms and "postprocess" in part.timings_ms
+    # a Stop that lands during the last batch is too late to stop anything: the job is done
+    last = pipe.generate(req, _cancel_at(4))
+    assert not last.cancelled and len(last.images) == 10 and not last.notes
+    assert not full.cancelled
+
+
+def test_stop_before_the_first_batch_keeps_nothing(pipe):
+    from core.errors import Cancelled
+
+    job = Job()
+    job.cancel()
+    with pytest.raises(Cancelled):
+        pipe.generate(GenerationRequest("stylegan", None, StyleGANParams(seeds=(0, 1), batch_size=1)), job)

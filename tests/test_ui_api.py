@@ -175,6 +175,37 @@ def test_stop_really_stops_and_the_next_job_runs(studio, client):
     assert [read_png_params(p)["seed"] for p in gallery_paths(gallery)] == [5, 6]
 
 
+
+def test_stop_keeps_the_finished_images_and_their_latency(studio, client):
+    """Issue 16: Stop after some batches of a long StyleGAN job shows (and has saved) the finished images,
+    labelled as stopped, and the side panel times the stopped job instead of reading 'none yet'."""
+    from PIL import Image
+
+    job = client.submit(backend="stylegan", model="emoji64", seed="0-999", sg_batch_size=2, api_name="/generate")
+    step = wait_for_step(client, 2, timeout=300)      # at least 2 batches (4 images) finished
+    client.predict(api_name="/stop")
+    gallery, _preview, progress, params, _download = job.result(timeout=300)   # hang guard only
+    m = re.search(r"Stopped at step (\d+)/500: kept (\d+) of 1000 images", progress)
+    assert m, progress
+    stopped_at, kept = int(m.group(1)), int(m.group(2))
+    assert step <= stopped_at < 500 and kept == 2 * stopped_at
+    paths = gallery_paths(gallery)
+    assert len(paths) == min(kept, 200) and len(paths) >= 4
+    for i, path in enumerate(paths):
+        assert Path(path).is_file()
+        with Image.open(path) as im:
+            im.verify()
+        meta = read_png_params(path)
+        assert meta["seed"] == i and meta["backend"] == "stylegan" and meta["arch"]
+    assert all("stopped" in item["caption"] for item in gallery)
+    assert params["seed"] == 0                          # the first kept image is selected, as after a finished job
+    outputs = sorted(Path(studio.atelier_runtime.settings.output_dir).rglob("*.png"))
+    saved_seeds = {read_png_params(str(f)).get("seed") for f in outputs}
+    assert set(range(kept)) <= saved_seeds              # every finished image is on disk, shown or not
+    latency = client.predict(api_name="/telemetry")[3]
+    assert "none yet" not in latency and "stopped" in latency
+    assert re.search(r"synthesis</span>.*?<b>\d+(\.\d+)? (ms|s)</b>", latency) and "per image" in latency
+
 def test_sessions_do_not_see_or_stop_each_other(studio):
     a, b = Client(studio.local_url, verbose=False), Client(studio.local_url, verbose=False)
     job = a.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")

@@ -56,6 +56,28 @@ def test_a_stopped_job_does_not_replace_the_last_latency():
     assert snap.last_stage_ms == {"synthesis": 40.0}
 
 
+
+def test_a_stopped_job_that_kept_images_shows_its_latency_labelled_stopped():
+    tr = JobTracker()
+    tr.start("images")
+    tr.finish(DONE, {"synthesis": 40.0}, images=4)
+    assert "stopped" not in panel.render_latency(tr.snapshot())
+    tr.start("images")
+    tr.finish(STOPPED, {"synthesis": 30.0, "save": 6.0}, images=72, peak_bytes=7,
+              message="Stopped at step 9/125: kept 72 of 1000 images in 0.04 s")
+    snap = tr.snapshot()
+    assert snap.state == STOPPED and snap.last_state == STOPPED
+    assert snap.last_stage_ms == {"synthesis": 30.0, "save": 6.0} and snap.last_images == 72
+    html = panel.render_latency(snap)
+    assert "none yet" not in html and "stopped, 72 images kept" in html
+    assert "synthesis" in html and "save" in html and "per image" in html
+    tr.start("images")
+    tr.finish(STOPPED, {"synthesis": 1.0}, message="Stopped at step 0/9.")   # kept nothing: latency stays
+    assert tr.snapshot().last_stage_ms == {"synthesis": 30.0, "save": 6.0}
+    tr.start("images")
+    tr.finish(DONE, {"synthesis": 50.0}, images=8)
+    assert tr.snapshot().last_state == DONE and "stopped" not in panel.render_latency(tr.snapshot())
+
 def test_tracker_is_safe_to_read_while_a_thread_writes():
     tr = JobTracker(history=64)
     tr.start("images")

@@ -105,7 +105,7 @@ def render_job(snap: JobSnapshot, queue_position: int | None, waiting: int, runn
 
 
 def render_latency(snap: JobSnapshot) -> str:
-    """The last finished job's latency per stage."""
+    """The last finished job's latency per stage (or a stopped job's, when it kept the images it finished)."""
     if not snap.last_stage_ms:
         return ('<div class="at-sec"><div class="at-h">Last job latency</div>'
                 '<div class="at-muted">none yet</div></div>')
@@ -119,7 +119,11 @@ def render_latency(snap: JobSnapshot) -> str:
     rows.append(_kv("total", f'<span class="at-total">{fmt_ms(total)}</span>', "at-sum"))
     if snap.last_images:
         rows.append(_kv("per image", fmt_ms(total / snap.last_images)))
-    return f'<div class="at-sec"><div class="at-h">Last job latency</div>{"".join(rows)}</div>'
+    title = "Last job latency"
+    if snap.last_state == STOPPED:
+        kept = f"{snap.last_images} image{'s' if snap.last_images != 1 else ''}"
+        title += f' <span class="at-muted">(stopped, {kept} kept)</span>'
+    return f'<div class="at-sec"><div class="at-h">{title}</div>{"".join(rows)}</div>'
 
 
 def sparkline(values: list[float] | tuple[float, ...], width: int = 240, height: int = 44, cls: str = "") -> str:

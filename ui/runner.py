@@ -2,8 +2,10 @@
 
 The Gradio event is a generator: it starts the worker, then wakes a few times
 a second to yield progress and previews, and ends with the saved results.
-Stop sets the job's cancel token; the pipeline raises `Cancelled` at its next
-step, so a job stops within one step and the GPU is free for the next one.
+Stop sets the job's cancel token; the pipeline stops at its next step, so a job
+stops within one step and the GPU is free for the next one. What it finished
+before the stop (StyleGAN's done batches) comes back in a cancelled result and
+is saved and shown like a finished job's images, labelled as stopped.
 """
 from __future__ import annotations
 
@@ -267,9 +269,24 @@ class StudioRuntime:
         result = box.get("result")
         if isinstance(err, Cancelled) or (err is None and getattr(result, "cancelled", False)):
             msg = f"Stopped at step {snap.step}/{snap.total}." if snap.total else "Stopped."
-            tracker.finish(STOPPED, job.timings_ms, message=msg)
+            items: list[ResultItem] = (box.get("items") or []) if err is None else []
+            if not items:
+                tracker.finish(STOPPED, job.timings_ms, message=msg)
+                self.metrics.observe_job(backend, "stopped", job.timings_ms)
+                return Progress(done=True, state=STOPPED, message=msg)
+            # Stop keeps what is finished: the images done before the stop are saved, shown and timed
+            p = spec.request.params
+            asked = len(p.seeds) if backend == "stylegan" else int(getattr(p, "batch_size", len(items)))
+            total_ms = sum(job.timings_ms.values())
+            msg = f"{msg.rstrip('.')}: kept {len(items)} of {asked} images in {total_ms / 1000:.2f} s"
+            if len(items) > MAX_GALLERY:
+                msg += f" (showing the first {MAX_GALLERY}; all saved in {Path(items[0].path).parent})"
+            tracker.finish(STOPPED, job.timings_ms, images=len(items), peak_bytes=getattr(result, "peak_memory_bytes", None),
+                           message=msg)
             self.metrics.observe_job(backend, "stopped", job.timings_ms)
-            return Progress(done=True, state=STOPPED, message=msg)
+            session.results = items
+            session.selected = 0
+            return Progress(done=True, state=STOPPED, message=msg, items=items)
         if isinstance(err, ImportError):   # a backend whose optional packages are missing
             err = AtelierError(f"the {backend} backend cannot run here: {err}. Install the packages in requirements.txt")
         if err is not None:
@@ -365,7 +382,9 @@ class StudioRuntime:
             return [], run_comparison(manager, req, job)
         if spec.kind in ("images", "diffusion"):
             result = manager.generate(req, job)
-            if result.cancelled:      # diffusion stops by returning an empty, cancelled result
+            # A stopped job returns a cancelled result holding the images it finished (StyleGAN: the batches
+            # done before the stop; diffusion: none, a half-denoised batch is noise). Those are kept as usual.
+            if result.cancelled and not result.images:
                 return [], result
             with job.stage("save"):
                 items = []
@@ -374,6 +393,8 @@ class StudioRuntime:
                     seed = meta.get("seed", i)
                     path = save_png(img, self._out_path(f"seed{seed}"), meta)
                     caption = f"seed {seed}" if req.backend == "stylegan" else f"seed {seed} · {meta.get('steps', '')} steps"
+                    if result.cancelled:
+                        caption += " · stopped job"
                     items.append(ResultItem(str(path), meta, caption))
             return items, result
         with job.stage("load"):

@@ -490,7 +490,7 @@ def build_app(services: Services) -> gr.Blocks:
                     continue
                 snap = sess.tracker.snapshot()
                 html = panel.render_progress(snap, None, 0)
-                if ev.state == DONE:
+                if ev.state == DONE or (ev.state == STOPPED and ev.items):   # a stop keeps what it finished
                     first = ev.items[0] if ev.items else None
                     yield (_gallery_value(ev.items), gr.Image(value=None, visible=False), html,
                            first.params if first else None,
