@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from core.errors import InputError, ModelLoadError
+from models.common import shape_difference
 
 __all__ = ["check_init_kwargs", "shape_difference", "tensor_shapes", "meta_shapes", "build_checked", "build_and_load",
            "LIMITS", "MAX_RESOLUTION"]
@@ -128,25 +129,6 @@ def check_init_kwargs(kwargs: Any, what: str = "generator", min_resolution: int 
     if _is_int(layers) and _is_int(critical) and critical >= layers:
         raise _fail("num_critical", f"is {critical}; it must be smaller than num_layers ({layers})", what)
     return dict(kwargs)
-
-
-def shape_difference(own: Mapping[str, tuple], found: Mapping[str, tuple]) -> str:
-    """'' when the two {name: shape} maps agree, else what differs (missing, unexpected, wrong shape)."""
-    missing = sorted(set(own) - set(found))
-    unexpected = sorted(set(found) - set(own))
-    wrong = sorted(k for k in set(own) & set(found) if tuple(own[k]) != tuple(found[k]))
-
-    def head(keys):
-        return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-
-    parts = []
-    if missing:
-        parts.append(f"missing {head(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {head(unexpected)}")
-    if wrong:
-        parts.append("wrong shape " + head([f"{k} {list(found[k])} vs {list(own[k])}" for k in wrong]))
-    return "; ".join(parts)
 
 
 def tensor_shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple]:

@@ -2,7 +2,7 @@
 state-dict load whose error says what differs."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -25,24 +25,31 @@ def jsonable(value: Any) -> Any:
     raise InputError(f"constructor argument {value!r} of type {type(value).__name__} cannot be saved as JSON")
 
 
+def shape_difference(own: Mapping[str, tuple], found: Mapping[str, tuple]) -> str:
+    """'' when the two {name: shape} maps agree, else what differs (missing, unexpected, wrong shape)."""
+    missing = sorted(set(own) - set(found))
+    unexpected = sorted(set(found) - set(own))
+    wrong = sorted(k for k in set(own) & set(found) if tuple(own[k]) != tuple(found[k]))
+
+    def head(keys):
+        return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"missing {head(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {head(unexpected)}")
+    if wrong:
+        parts.append("wrong shape " + head([f"{k} {list(found[k])} vs {list(own[k])}" for k in wrong]))
+    return "; ".join(parts)
+
+
 def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
     """load_state_dict(strict=True) with a ModelLoadError that lists what differs."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong_shape = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
-    if missing or unexpected or wrong_shape:
-        def head(keys):
-            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-        parts = []
-        if missing:
-            parts.append(f"missing {head(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {head(unexpected)}")
-        if wrong_shape:
-            parts.append("wrong shape " + head([f"{k} {list(state[k].shape)} vs {list(own[k].shape)}"
-                                                for k in wrong_shape]))
-        raise ModelLoadError(f"the weights do not fit the {what} built from its config: " + "; ".join(parts))
+    diff = shape_difference({k: tuple(v.shape) for k, v in module.state_dict().items()},
+                            {k: tuple(v.shape) for k, v in state.items()})
+    if diff:
+        raise ModelLoadError(f"the weights do not fit the {what} built from its config: {diff}")
     module.load_state_dict(state, strict=True)
 
 
