@@ -18,9 +18,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from core.errors import InputError, ModelLoadError
-from models.common import shape_difference
+from models.common import load_state_strict, shape_difference
 
-__all__ = ["check_init_kwargs", "shape_difference", "tensor_shapes", "meta_shapes", "build_checked", "build_and_load",
+__all__ = ["check_init_kwargs", "load_or_drop", "shape_difference", "tensor_shapes", "meta_shapes", "build_checked", "build_and_load",
            "LIMITS", "MAX_RESOLUTION"]
 
 MAX_RESOLUTION = 2048
@@ -174,11 +174,15 @@ def build_and_load(make: Callable[[], torch.nn.Module], state: Mapping[str, torc
     On any failure the half-built module is dropped before the error is raised, so neither the
     exception nor its traceback keeps the network alive.
     """
-    from models.common import load_state_strict
-
     if kwargs is not None:
         check_init_kwargs(kwargs, what, min_resolution=min_resolution)
-    module = build_checked(make, tensor_shapes(state), what)
+    return load_or_drop(build_checked(make, tensor_shapes(state), what), state, what)
+
+
+def load_or_drop(module: torch.nn.Module, state: dict, what: str) -> torch.nn.Module:
+    """Strict load of `state` into `module`; on failure the module is dropped before the error is raised, so
+    the exception (and its traceback) keeps nothing alive. Pass the module as a temporary, not a variable,
+    for the same reason."""
     message = None
     try:
         load_state_strict(module, state, what)

@@ -28,7 +28,8 @@ import torch
 
 from core.errors import InputError, ModelLoadError, UnsafeModelError
 from models import stylegan2
-from models.arch_limits import build_checked, check_init_kwargs, meta_shapes, shape_difference, tensor_shapes
+from models.arch_limits import (build_checked, check_init_kwargs, load_or_drop, meta_shapes, shape_difference,
+                                 tensor_shapes)
 from models.nvlabs_pickle import PersistentRecord, read_network_pickle
 
 __all__ = [
@@ -159,16 +160,8 @@ def build_generator(arch: str, init_kwargs: dict, shapes: dict | None = None) ->
 
 def _build_loaded(config: dict, state: dict[str, torch.Tensor], what: str) -> torch.nn.Module:
     """build_generator checked against `state`, then its strict load; nothing is kept on failure."""
-    G = build_generator(config["arch"], config["init_kwargs"], shapes=tensor_shapes(state))
-    message = None
-    try:
-        stylegan2.load_state_strict(G, state, what)
-    except (ModelLoadError, RuntimeError) as exc:
-        message = str(exc)
-    if message is not None:
-        del G
-        raise ModelLoadError(message)
-    return G
+    return load_or_drop(build_generator(config["arch"], config["init_kwargs"], shapes=tensor_shapes(state)),
+                        state, what)
 
 
 def detect_arch(rec: PersistentRecord) -> str:
