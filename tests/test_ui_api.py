@@ -13,7 +13,7 @@ import pytest
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import Client
-from gradio_client.utils import QueueError, handle_file  # noqa: E402
+from gradio_client.utils import QueueError, Status, handle_file  # noqa: E402
 
 from core.pnginfo import read_png_params  # noqa: E402
 from tests.ui_helpers import SG_COND, SG_UNCOND, running_studio, tiny_sd_folder  # noqa: E402
@@ -353,10 +353,26 @@ def test_metrics_endpoint(studio, client):
     assert "atelier_queue_waiting" in text and ("atelier_process_rss_bytes" in text or "vram" in text)
 
 
+def wait_until_processing(job, timeout: float = 120.0) -> None:
+    """Until the server runs `job` (read from the client's own status: no request). With a one-place queue a
+    panel poll sent before the job has joined would take that place and get the job refused."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        code = job.status().code
+        if code in (Status.PROCESSING, Status.ITERATING, Status.PROGRESS):
+            return
+        if job.done():
+            job.result()                                   # raises the server's error, if any
+            raise AssertionError(f"the job ended before it was seen running (status {code})")
+        time.sleep(0.05)
+    raise AssertionError(f"the job was not running after {timeout:.0f} s (status {job.status().code})")
+
+
 def test_full_queue_is_refused_with_a_clear_message(tmp_path, testdata):
     with running_studio(tmp_path, queue_max_size=1) as demo:
         a, b, c = (Client(demo.local_url, verbose=False) for _ in range(3))
         running = a.submit(backend="stylegan", seed="0-2000", sg_batch_size=1, api_name="/generate")
+        wait_until_processing(running)
         wait_for_step(a, 1)
         waiting = b.submit(backend="stylegan", seed="0", api_name="/generate")
         wait_for_queue_size(demo, 1)                       # the server says b holds the one waiting place
