@@ -70,6 +70,8 @@ def network_check(dev) -> list[dict]:
     from pipelines.bench.specs import _SG2_TINY, _SG3T_TINY
 
     rows = []
+    # TF32 is on by default for CUDA convolutions: it alone moves the image by ~3e-4 (an H200 run).
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     for arch, kw in (("stylegan2", _SG2_TINY), ("stylegan3", _SG3T_TINY)):
         torch.manual_seed(0)
         G = build_generator(arch, dict(kw, num_fp16_res=0)).to(dev).eval().requires_grad_(False)

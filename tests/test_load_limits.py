@@ -116,6 +116,13 @@ def rss() -> int:
 # Bounds: refused with the field named, before any construction (not even on meta)
 
 
+def assert_refused_before_building(path, field: str, real_builds: list) -> None:
+    """The load fails naming `field`, before even the meta-device probe builds anything."""
+    with pytest.raises(ModelLoadError, match=f"'{field}'"):
+        load_generator(path)
+    assert real_builds == []
+
+
 @pytest.mark.parametrize("overrides,field", [
     ({"img_resolution": 2**20}, "img_resolution"),
     ({"img_resolution": 1000}, "img_resolution"),
@@ -135,9 +142,7 @@ def test_pickle_declaring_an_absurd_network_is_refused_by_field(tmp_path, persis
                                                                 field):
     path = tmp_path / "evil.pkl"
     sg2_pickle(path, **overrides)
-    with pytest.raises(ModelLoadError, match=f"'{field}'"):
-        load_generator(path)
-    assert real_builds == []          # refused before even the meta-device probe
+    assert_refused_before_building(path, field, real_builds)
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -151,9 +156,7 @@ def test_stylegan3_pickle_declaring_an_absurd_network_is_refused(tmp_path, persi
                                                                  field):
     path = tmp_path / "evil3.pkl"
     sg3_pickle(path, **overrides)
-    with pytest.raises(ModelLoadError, match=f"'{field}'"):
-        load_generator(path)
-    assert real_builds == []
+    assert_refused_before_building(path, field, real_builds)
 
 
 def test_our_format_declaring_an_absurd_network_is_refused(tmp_path, real_builds):
