@@ -183,9 +183,13 @@ class _BucketedCall:
             if pad:
                 ws = torch.cat([ws, ws[-1:].expand(pad, *ws.shape[1:])])
             call_args: tuple = (ws, *args)
-        else:                          # a UNet, or any module whose first input is the batch
+        elif self.kind == "unet":      # a UNet: (batch, latent height, latent width)
             sample = args[0] if args else kwargs.get("sample")
             key = unet_key(sample)
+            call_args = args
+        else:                          # a text encoder (token ids), a VAE decoder (latents), any module: its input's shape
+            first = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            key = tuple(int(s) for s in first.shape) if isinstance(first, torch.Tensor) else ()
             call_args = args
         tr = self.tracker
         if key in tr.failed:
@@ -274,10 +278,19 @@ def _keyword_defaults(module: torch.nn.Module) -> dict:
 
 
 def _clone_outputs(out):
+    """Copies of a CUDA-graph replay's outputs (the next replay overwrites them): tensors, tuples of them, and the
+    output dataclasses of diffusers and transformers (a text encoder's hidden states included)."""
     if isinstance(out, torch.Tensor):
         return out.clone()
     if isinstance(out, tuple):
-        return tuple(_clone_outputs(o) for o in out)
+        return type(out)(_clone_outputs(o) for o in out) if not hasattr(out, "_fields") else \
+            type(out)(*(_clone_outputs(o) for o in out))
+    if isinstance(out, list):
+        return [_clone_outputs(o) for o in out]
+    if isinstance(out, dict) and hasattr(out, "to_tuple"):              # a ModelOutput (an ordered dict + attributes)
+        for k in list(out.keys()):
+            out[k] = _clone_outputs(out[k])
+        return out
     if hasattr(out, "sample") and isinstance(out.sample, torch.Tensor):   # diffusers output dataclass
         out.sample = out.sample.clone()
     return out
@@ -295,17 +308,27 @@ def _key_str(key: tuple) -> str:
     return "x".join(str(k) for k in key)
 
 
-def _find_tracker(obj: Any) -> BucketTracker | None:
+def _find_trackers(obj: Any) -> list[BucketTracker]:
+    """The trackers of everything compiled in `obj`: the UNet (or synthesis network) first, then a pipeline's
+    text encoders and VAE decoder."""
     cands = [obj]
     if not isinstance(obj, torch.nn.Module):
-        cands += [getattr(obj, "unet", None)]
+        vae = getattr(obj, "vae", None)
+        cands += [getattr(obj, "unet", None), getattr(obj, "text_encoder", None), getattr(obj, "text_encoder_2", None),
+                  getattr(vae, "decoder", None) if vae is not None else None]
     elif hasattr(obj, "synthesis"):
         cands.append(obj.synthesis)
+    out: list[BucketTracker] = []
     for c in cands:
         tr = getattr(c, _TRACKER_ATTR, None) if c is not None else None
-        if isinstance(tr, BucketTracker):
-            return tr
-    return None
+        if isinstance(tr, BucketTracker) and tr not in out:
+            out.append(tr)
+    return out
+
+
+def _find_tracker(obj: Any) -> BucketTracker | None:
+    found = _find_trackers(obj)
+    return found[0] if found else None
 
 
 def is_first_run(obj: Any, shape_key) -> bool:
@@ -331,11 +354,10 @@ def is_first_run(obj: Any, shape_key) -> bool:
 def set_status_callback(obj: Any, fn: Callable[[str], None] | None) -> bool:
     """Route compile status messages (FIRST_RUN_STATUS, "compiled ...") to `fn` (e.g. the job's
     progress message). Returns False when nothing is compiled."""
-    tr = _find_tracker(obj)
-    if tr is None:
-        return False
-    tr.on_status = fn
-    return True
+    trackers = _find_trackers(obj)
+    for tr in trackers:
+        tr.on_status = fn
+    return bool(trackers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,6 +424,68 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str =
                                           cache if backend == "inductor" else None, key, backend, ctx.on_status))
         rep.update(component="unet",
                    reason="UNet compiled; each resolution and batch compiles once (first run for a size takes a while)")
+        others = _compile_other_parts(target, flags, ctx, effective, rep, cache if backend == "inductor" else None,
+                                      backend, exclude or {})
+        if others:
+            rep["reason"] = rep["reason"].replace("UNet compiled", "UNet, " + ", ".join(others) + " compiled")
     if effective == "reduce-overhead":
         rep["reason"] += "; CUDA graphs replay each step with one launch"
     return rep
+
+
+# The parts of a diffusion pipeline besides the UNet that run once per image: eagerly they are launch-bound
+# (a CLIP text encoder is ~300 small kernels; the VAE decoder 30 GroupNorms at 512²), so they are compiled
+# too, each with its own shape buckets. ATELIER_COMPILE_PARTS (comma-separated, of unet,text_encoder,vae)
+# narrows this for measurements; the UNet is always compiled.
+OTHER_PARTS = ("text_encoder", "vae")
+
+
+def compiled_parts() -> tuple[str, ...]:
+    raw = os.environ.get("ATELIER_COMPILE_PARTS", "").strip()
+    if not raw:
+        return OTHER_PARTS
+    names = tuple(p.strip() for p in raw.split(",") if p.strip())
+    unknown = sorted(set(names) - set(OTHER_PARTS) - {"unet"})
+    if unknown:
+        raise AtelierError(f"ATELIER_COMPILE_PARTS: unknown part(s) {', '.join(unknown)}; "
+                           f"use a comma-separated list of unet, {', '.join(OTHER_PARTS)}")
+    return tuple(n for n in OTHER_PARTS if n in names)
+
+
+def _compile_other_parts(target: Target, flags: OptimizationFlags, ctx: Context, mode: str, rep: dict,
+                         cache: CompileCache | None, backend: str, exclude: dict[str, str]) -> list[str]:
+    """Compile the text encoder(s) and the VAE decoder of a pipeline; returns the names compiled. Each part's
+    buckets and failures are reported under rep["parts"][name]."""
+    if not target.is_pipeline:
+        return []
+    wanted = compiled_parts()
+    parts_rep: dict = rep.setdefault("parts", {})
+    done: list[str] = []
+    if "text_encoder" in wanted:
+        for name in ("text_encoder", "text_encoder_2"):
+            te = target.get(name)
+            if te is None:
+                continue
+            if name in exclude:
+                parts_rep[name] = {"applied": False, "reason": exclude[name]}
+                continue
+            sub: dict = {"applied": True}
+            key = _cache_key(target, flags, ctx, te)
+            target.set(name, compile_module(te, "module", mode, ctx.device, sub, cache, key, backend, ctx.on_status))
+            parts_rep[name] = sub
+            done.append(name)
+    vae = target.get("vae")
+    if "vae" in wanted and vae is not None and hasattr(vae, "decoder"):
+        if "vae-tiling" in flags.memory:
+            parts_rep["vae_decoder"] = {"applied": False, "reason": "VAE tiling decodes tiles of several shapes (each "
+                                                                      "would compile); the decoder runs eagerly"}
+        elif "vae" in exclude:
+            parts_rep["vae_decoder"] = {"applied": False, "reason": exclude["vae"]}
+        else:
+            sub = {"applied": True}
+            key = _cache_key(target, flags, ctx, vae.decoder)
+            vae.decoder = compile_module(vae.decoder, "module", mode, ctx.device, sub, cache, key, backend,
+                                         ctx.on_status)
+            parts_rep["vae_decoder"] = sub
+            done.append("VAE decoder")
+    return done

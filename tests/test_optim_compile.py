@@ -131,9 +131,23 @@ def test_unet_in_pipeline_compiles_once_per_resolution(tmp_path, dynamo_clean):
     assert abs(out - run(ref_pipe, 32)).max() < 1e-5
     run(pipe, 48)                                              # a second resolution: one more bucket
     assert set(report["buckets"]) == {"2x16x16", "2x24x24"}
+    # the VAE decoder and the text encoder are compiled too, each with its own buckets
+    assert type(pipe.vae.decoder).__name__ == "OptimizedModule" and type(pipe.text_encoder).__name__ == "OptimizedModule"
+    assert set(report["parts"]["vae_decoder"]["buckets"]) == {"1x4x16x16", "1x4x24x24"}
+    cfg = pipe.text_encoder.config
+    ids = [torch.randint(0, cfg.vocab_size, (1, cfg.max_position_embeddings), generator=torch.Generator().manual_seed(i))
+           for i in range(2)]
+    with torch.no_grad():
+        for x in ids:       # as diffusers' encode_prompt calls it (the SDXL pipelines also ask for hidden states)
+            got, want = pipe.text_encoder(x, output_hidden_states=True), ref_pipe.text_encoder(x, output_hidden_states=True)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got.hidden_states[-2], want.hidden_states[-2], rtol=1e-4, atol=1e-5)
+    assert set(report["parts"]["text_encoder"]["buckets"]) == {f"1x{cfg.max_position_embeddings}"}
     torch._dynamo.config.error_on_recompile = True
     run(pipe, 32, seed=5)                                      # other seed, every timestep: no recompile
     run(pipe, 48, seed=6)
+    with torch.no_grad():
+        pipe.text_encoder(ids[0].flip(1), output_hidden_states=True)     # other tokens: no recompile
 
 
 def test_graphs_not_captured_as_cuda_graphs_are_reported(dynamo_clean):
@@ -148,9 +162,10 @@ def test_graphs_not_captured_as_cuda_graphs_are_reported(dynamo_clean):
     out = compiled(x)
     with torch.no_grad():   # compiled against eager: to float rounding (a traced graph may fuse or reorder)
         torch.testing.assert_close(out, net(x), rtol=1e-5, atol=1e-6)
-    assert set(report["cudagraph_skips"]) == {"2x8x8"} and "without CUDA graphs" in report["cudagraph_skips"]["2x8x8"]
+    # a generic module's bucket is its input's whole shape
+    assert set(report["cudagraph_skips"]) == {"2x3x8x8"} and "without CUDA graphs" in report["cudagraph_skips"]["2x3x8x8"]
     compiled(torch.randn(1, 3, 8, 8))                      # every new shape is checked on its first run
-    assert set(report["cudagraph_skips"]) == {"2x8x8", "1x8x8"}
+    assert set(report["cudagraph_skips"]) == {"2x3x8x8", "1x3x8x8"}
 
 
 def test_artifact_file_key_separates_configurations(testdata, tmp_path):
@@ -210,7 +225,7 @@ def _run_cache_script(cache_dir: Path) -> dict:
 def test_inductor_matches_eager_and_second_start_hits_the_cache(tmp_path):
     first = _run_cache_script(tmp_path / "a")
     assert first["err"] < 1e-5 and first["miss"] >= 1 and first["hit"] == 0
-    assert first["report"]["buckets"] == {"2x16x16": first["report"]["buckets"]["2x16x16"]}
+    assert list(first["report"]["buckets"]) == ["2x3x16x16"]          # a module's bucket: its input's shape
     artifacts = sorted((tmp_path / "a" / "compile" / "artifacts").glob("*.bin"))
     assert len(artifacts) == 1 and artifacts[0].stat().st_size > 0
     # a second start on the same cache: the FX graph comes from disk
