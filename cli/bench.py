@@ -87,7 +87,7 @@ def build_report_parser() -> argparse.ArgumentParser:
 
 @cli_errors
 def report_cmd(argv: list[str]) -> int:
-    from telemetry.bench_report import write_report
+    from bench.report import write_report
 
     a = build_report_parser().parse_args(argv)
     out = write_report(a.inputs, a.out, plots_dir=a.plots_dir, json_out=a.json, plots=not a.no_plots)
@@ -97,7 +97,7 @@ def report_cmd(argv: list[str]) -> int:
 
 @cli_errors
 def list_cmd(argv: list[str]) -> int:
-    from pipelines.bench.specs import DEFAULT_CONFIGS, WORKLOADS, resolve_configs
+    from bench.specs import DEFAULT_CONFIGS, WORKLOADS, resolve_configs
 
     print("workloads:")
     for name, w in WORKLOADS.items():
@@ -110,8 +110,8 @@ def list_cmd(argv: list[str]) -> int:
 
 @cli_errors
 def run_cmd(argv: list[str]) -> int:
-    from pipelines.bench.runner import BenchOptions, estimate_plan, format_estimate, isolation_mode, run, shell_command
-    from pipelines.bench.specs import FULL_WORKLOADS, parse_list
+    from bench.runner import BenchOptions, estimate_plan, format_estimate, isolation_mode, run, shell_command
+    from bench.specs import FULL_WORKLOADS, parse_list
 
     a = build_run_parser().parse_args(argv)
     if a.config_timeout is not None and isolation_mode(a.isolate) == "none":
@@ -141,7 +141,7 @@ def run_cmd(argv: list[str]) -> int:
         return 0
     summary: dict = {"jsonl": str(jsonl)}
     if not a.no_report:
-        from telemetry.bench_report import write_report
+        from bench.report import write_report
 
         summary.update(write_report([jsonl], Path(a.out) / "bench.md", plots_dir=Path(a.out) / "plots",
                                     json_out=Path(a.out) / "bench.json"))

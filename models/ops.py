@@ -504,7 +504,7 @@ class FullyConnectedLayer(torch.nn.Module):
 # indexed implicit-GEMM kernels for the strided/transposed resampling convs, by grouped direct
 # kernels for the depthwise FIR blurs, and by the double backward of the R1 / path-length
 # penalties. Each knob below swaps one of these for a formulation that computes the same
-# numbers through different kernels; `scripts/bench_ops.py` times them on the GPU.
+# numbers through different kernels; `bench/ops.py` times them on the GPU.
 #
 #   fir   how upfirdn2d runs (every blur, up/downsample2d, the FIR half of conv2d_resample):
 #         grouped    one depthwise 2-D conv, groups=C (the reference above)

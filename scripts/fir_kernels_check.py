@@ -32,7 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def time_ms(fn, reps: int = 30) -> float:
     """Median CUDA-event milliseconds of `fn` after 3 warm-up calls (the bench's own timer)."""
-    from pipelines.bench.measure import device_times_ms, median
+    from bench.measure import device_times_ms, median
 
     dev = torch.device("cuda")
     for _ in range(3):
@@ -67,7 +67,7 @@ def correctness(dev) -> list[dict]:
 
 def network_check(dev) -> list[dict]:
     from models.stylegan import build_generator
-    from pipelines.bench.specs import _SG2_TINY, _SG3T_TINY
+    from bench.specs import _SG2_TINY, _SG3T_TINY
 
     rows = []
     # TF32 is on by default for CUDA convolutions: it alone moves the image by ~3e-4 (an H200 run).
@@ -94,7 +94,7 @@ def compile_check(dev) -> list[dict]:
     import torch._dynamo.testing
     from models import kernels
     from models.stylegan import build_generator
-    from pipelines.bench.specs import _SG2_TINY, _SG3T_TINY
+    from bench.specs import _SG2_TINY, _SG3T_TINY
 
     rows = []
     choice, _ = kernels.resolve("auto", dev, precision="bf16")

@@ -32,4 +32,4 @@ for part in "$@"; do
     *) echo "unknown part $part" ;;
   esac
 done
-python3 scripts/bench_summary.py "$OUT"/*/bench.jsonl 2>/dev/null || true
+python3 -m bench.summary "$OUT"/*/bench.jsonl 2>/dev/null || true

@@ -12,9 +12,10 @@ ALLOWED = {
     "telemetry": {"core", "telemetry"},
     "evaluation": {"core", "evaluation"},
     "pipelines": {"core", "models", "optim", "telemetry", "pipelines"},
+    "bench": {"core", "models", "optim", "telemetry", "pipelines", "training", "bench"},
     "training": {"core", "models", "telemetry", "evaluation", "training"},
     "ui": {"pipelines", "training", "evaluation", "telemetry", "core", "ui"},
-    "cli": {"pipelines", "training", "evaluation", "telemetry", "core", "cli"},
+    "cli": {"pipelines", "training", "evaluation", "telemetry", "core", "bench", "cli"},
 }
 PROJECT = set(ALLOWED) | {"app"}
 

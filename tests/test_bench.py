@@ -11,8 +11,8 @@ import torch
 
 from cli.bench import main as bench_main
 from core.errors import InputError
-from pipelines.bench.specs import get_workload, parse_custom, resolve_configs
-from telemetry.bench_report import END_MARK, START_MARK, evaluate_targets, merge, read_jsonl, write_report
+from bench.specs import get_workload, parse_custom, resolve_configs
+from bench.report import END_MARK, START_MARK, evaluate_targets, merge, read_jsonl, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,7 +136,7 @@ def test_diffusion_stock_baseline_and_product_path_with_stage_times_and_exact_fl
     # the UNet's FLOPs per call equal a direct count on the same network and CFG-batched input
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pipelines.bench import build
+    from bench import build
 
     pipe = build.random_diffusion_pipeline(get_workload("sd-tiny"), torch.device("cpu"), 0)
     unet = pipe.unet
@@ -287,7 +287,7 @@ def test_real_weights_of_a_conditional_network(testdata, tmp_path):
 
 
 def test_report_shows_the_reserved_peak_of_cuda_graph_rows_and_the_fp8_floor():
-    from telemetry.bench_report import render_markdown
+    from bench.report import render_markdown
 
     rows = [
         {"type": "workload", "workload": "w", "kind": "stylegan", "targets": []},

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from cli.bench import main as bench_main
-from pipelines.bench.estimate import ANCHORS, call_seconds
-from pipelines.bench.measure import matrix_rates
-from pipelines.bench.runner import (BenchOptions, Reference, _cleanup, _floor_fields, estimate_plan, isolation_mode,
+from bench.estimate import ANCHORS, call_seconds
+from bench.measure import matrix_rates
+from bench.runner import (BenchOptions, Reference, _cleanup, _floor_fields, estimate_plan, isolation_mode,
                                     sticky_cuda_error)
-from pipelines.bench.specs import get_workload, resolve_configs
+from bench.specs import get_workload, resolve_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -78,7 +78,7 @@ def test_app_bench_runs_and_reports_without_gradio_or_matplotlib(tmp_path):
     attempts = log.read_text().splitlines()
     # nothing on the bench path asked for gradio; matplotlib was asked for only by the report's plot step
     assert not [a for a in attempts if a.startswith("gradio")], attempts
-    assert attempts and all(a.startswith("matplotlib") and a.endswith("telemetry/bench_report.py")
+    assert attempts and all(a.startswith("matplotlib") and a.endswith("bench/report.py")
                             for a in attempts), attempts
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     res = {(r["workload"], r["config"]): r for r in _rows(Path(summary["jsonl"]), "result")}

@@ -24,7 +24,7 @@ def _bench(out: Path, *args) -> int:
 
 
 def test_matrix_rates_are_measured_and_plausible():
-    from pipelines.bench.measure import matrix_rates
+    from bench.measure import matrix_rates
 
     r = matrix_rates(torch.device("cuda"), repeats=10)
     assert 50 < r["bf16_tflops"] < 5000, r

@@ -143,7 +143,7 @@ def test_filtered_lrelu_triton_matches_the_reference(up, down, taps):
 # -- whole generators: the fast path against the reference ops ------------------------------------
 
 def _tiny(arch):
-    from pipelines.bench.specs import _SG2_TINY, _SG3T_TINY
+    from bench.specs import _SG2_TINY, _SG3T_TINY
 
     torch.manual_seed(0)
     kw = dict(_SG2_TINY if arch == "stylegan2" else _SG3T_TINY, num_fp16_res=0)

@@ -3,13 +3,11 @@
 Every variant is checked against the default implementation in float64 (which
 tests/test_stylegan2.py checks against the ops' definitions and the NVlabs references),
 differentiated once and twice (gradcheck / gradgradcheck), and used globally inside whole
-StyleGAN2 networks. The speed of each is measured on the GPU by scripts/bench_ops.py.
+StyleGAN2 networks. The speed of each is measured on the GPU by bench/ops.py.
 """
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -418,21 +416,13 @@ def test_variants_on_cuda_bf16_channels_last():
 
 
 # ---------------------------------------------------------------------------------------------
-# scripts/bench_ops.py: how it picks winners (the GPU run itself is next session's)
+# bench/ops.py: how it picks winners (the GPU run itself is next session's)
 
 
 def load_bench():
-    import importlib.util
+    from bench import ops as bench_ops
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_ops.py"
-    spec = importlib.util.spec_from_file_location("bench_ops", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ops"] = module   # dataclasses look their module up while it executes
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["bench_ops"]
-    return module
+    return bench_ops
 
 
 def test_bench_picks_the_fastest_accurate_variant():

@@ -41,13 +41,13 @@ from core.device import peak_memory_bytes, pick_device, reset_peak_memory
 from core.errors import AtelierError, InputError, OptionalDependencyError
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags, StyleGANParams
 from pipelines.base import to_uint8_images
-from pipelines.bench import build
-from pipelines.bench.estimate import command_overhead_s, estimate_case, same_flags_key
-from pipelines.bench.measure import (CallCapture, StageClock, count_flops_detailed, device_times_ms, fp8_rate,
+from bench import build
+from bench.estimate import command_overhead_s, estimate_case, same_flags_key
+from bench.measure import (CallCapture, StageClock, count_flops_detailed, device_times_ms, fp8_rate,
                                      matrix_rates, median, profile_call, spread_pct, sync, wall_ms)
-from pipelines.bench.specs import PROMPT, BenchConfig, Workload, get_workload, resolve_configs
+from bench.specs import PROMPT, BenchConfig, Workload, get_workload, resolve_configs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 JSONL_NAME = "bench.jsonl"
 REFERENCE_FLAGS = OptimizationFlags(precision="fp32")
 
@@ -841,7 +841,7 @@ def _needs_reference(cases: list, i: int) -> bool:
 
 
 def estimate_plan(opts: BenchOptions) -> dict:
-    """The plan with each case's estimated seconds on the H200 (see pipelines.bench.estimate); touches no
+    """The plan with each case's estimated seconds on the H200 (see bench.estimate); touches no
     device. Cases with the same flags as an earlier one cost nothing (their result is copied)."""
     cases = plan(opts)
     mode = isolation_mode(opts.isolate)

@@ -1,7 +1,7 @@
 """Pick the fastest models.ops implementations on the GPU: every variant timed and checked in one run.
 
-    python3 scripts/bench_ops.py --out $OUT/ops.json          (H200: under 6 minutes)
-    python3 scripts/bench_ops.py --smoke --out /tmp/ops.json  (CPU, tiny shapes: checks the script itself)
+    python3 -m bench.ops --out $OUT/ops.json          (H200: under 6 minutes)
+    python3 -m bench.ops --smoke --out /tmp/ops.json  (CPU, tiny shapes: checks the script itself)
 
 Sections, each with a share of the time budget (--budget seconds; whatever a section leaves is
 passed on, and what does not fit is listed under "skipped" in the JSON):

@@ -22,7 +22,7 @@ import torch
 from core.errors import InputError, ModelLoadError
 from models import diffusion_catalogue as dcat
 from models.stylegan import LoadedGenerator, build_generator, load_generator
-from pipelines.bench.specs import Workload
+from bench.specs import Workload
 
 _COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 

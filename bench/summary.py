@@ -1,6 +1,6 @@
 """One line per bench result (and the top kernels of each profiled one): the table a device call prints last.
 
-    python3 scripts/bench_summary.py outputs/bench/bench.jsonl [more.jsonl ...]
+    python3 -m bench.summary outputs/bench/bench.jsonl [more.jsonl ...]
 """
 from __future__ import annotations
 

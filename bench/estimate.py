@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core.types import OptimizationFlags
-from pipelines.bench.specs import BenchConfig, Workload
+from bench.specs import BenchConfig, Workload
 
 # What the reference machine lacks even with the carried wheels (diffusers, torchao): a case that needs it is
 # skipped there before any model is built, at no cost.
