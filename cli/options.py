@@ -22,7 +22,7 @@ def add_optimization_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=["fp32", "tf32", "fp16", "bf16"], default="fp32",
                    help="fp32 reference; tf32 matmuls; fp16/bf16 via AMP autocast")
     g.add_argument("--channels-last", action="store_true", help="NHWC memory format for convolutions")
-    g.add_argument("--attention", choices=["sdpa", "cudnn", "xformers", "math"], default="sdpa")
+    g.add_argument("--attention", choices=["sdpa", "xformers", "math"], default="sdpa")
     g.add_argument("--compile", choices=["off", "default", "reduce-overhead"], default="off",
                    help="torch.compile; reduce-overhead adds CUDA graphs")
     g.add_argument("--fp8", action="store_true", help="FP8 linear layers (Hopper/Ada GPUs)")

@@ -22,16 +22,13 @@ NOISE_MODES = ("const", "random", "none")
 SEED_MAX = 2**32 - 1
 
 
-ATTENTION_MODES = ("sdpa", "cudnn", "xformers", "math")
-
-
 @dataclass(frozen=True)
 class OptimizationFlags:
     """Which optimizations a request asks for. The model manager caches by these."""
 
     precision: str = "fp32"            # fp32 | tf32 | fp16 | bf16
     channels_last: bool = False
-    attention: str = "sdpa"            # sdpa | cudnn | xformers | math
+    attention: str = "sdpa"            # sdpa | xformers | math
     compile: str = "off"               # off | default | reduce-overhead
     fp8: bool = False
     prune_amount: float = 0.0          # 0 = off
@@ -44,8 +41,8 @@ class OptimizationFlags:
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
-        if self.attention not in ATTENTION_MODES:
-            raise InputError(f"attention must be one of {', '.join(ATTENTION_MODES)}; got {self.attention!r}")
+        if self.attention not in ("sdpa", "xformers", "math"):
+            raise InputError(f"attention must be sdpa, xformers or math; got {self.attention!r}")
         if self.compile not in ("off", "default", "reduce-overhead"):
             raise InputError(f"compile must be off, default or reduce-overhead; got {self.compile!r}")
         if not (0.0 <= float(self.prune_amount) < 1.0):

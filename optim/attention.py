@@ -6,10 +6,6 @@
   and on torch >= 2.0 rarely faster than SDPA).
 - math: diffusers' AttnProcessor: baddbmm + softmax + bmm, the textbook reference. Slow and
   memory-hungry ([heads, tokens, tokens] scores), useful to check the others against.
-- cudnn: SDPA with cuDNN's fused attention tried first (then flash, memory-efficient, math), per
-  call, through `torch.nn.attention.sdpa_kernel(..., set_priority=True)`, which torch.compile
-  traces. On Hopper cuDNN's kernels are the ones built for its tensor-memory accelerator; shapes
-  cuDNN refuses (head dim > 128: the VAE's one 512-wide head) fall through to the next backend.
 
 Applies to the UNet and the VAE (its mid-block attention) via `set_attn_processor`, and to
 CLIP text encoders via transformers' `set_attn_implementation` ("sdpa" / "eager").
@@ -29,12 +25,6 @@ XFORMERS_MISSING = ("xformers is not installed (pip install xformers, matching y
 
 
 def unavailable_reason(mode: str, device: torch.device) -> str | None:
-    if mode == "cudnn":
-        if device.type != "cuda":
-            return f"cuDNN attention needs a CUDA GPU; {where(device)}; kept PyTorch SDPA attention"
-        if not torch.backends.cudnn.is_available():
-            return "cuDNN is not available in this torch build; kept PyTorch SDPA attention"
-        return None
     if mode != "xformers":
         return None
     if not has_package("xformers"):
@@ -47,37 +37,11 @@ def unavailable_reason(mode: str, device: torch.device) -> str | None:
 def _processor(mode: str):
     from diffusers.models import attention_processor as ap
 
-    if mode == "cudnn":
-        return _preferred_sdpa_class()()
     if mode == "math":
         return ap.AttnProcessor()
     if mode == "xformers":
         return ap.XFormersAttnProcessor()
     return ap.AttnProcessor2_0()
-
-
-_PREFERRED = None
-
-
-def _preferred_sdpa_class():
-    """AttnProcessor2_0 whose SDPA call tries cuDNN first (defined on first use: diffusers imports slowly)."""
-    global _PREFERRED
-    if _PREFERRED is None:
-        from diffusers.models.attention_processor import AttnProcessor2_0
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
-
-        class CuDNNFirstAttnProcessor(AttnProcessor2_0):
-            backends = order
-
-            def __call__(self, *args, **kwargs):
-                with sdpa_kernel(order, set_priority=True):
-                    return super().__call__(*args, **kwargs)
-
-        _PREFERRED = CuDNNFirstAttnProcessor
-    return _PREFERRED
 
 
 def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleReport:
@@ -104,6 +68,5 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
     note = {"note": "text encoders stay on SDPA: transformers has no xformers path"} if mode == "xformers" else {}
     return applied({"sdpa": "PyTorch scaled_dot_product_attention (flash / memory-efficient kernels)",
                     "xformers": "xFormers memory-efficient attention",
-                    "math": "plain matmul + softmax attention (the slow reference)",
-                    "cudnn": "PyTorch SDPA with cuDNN's fused attention first (Hopper), then flash / memory-efficient"}[mode],
+                    "math": "plain matmul + softmax attention (the slow reference)"}[mode],
                    mode=mode, components=done, **note)

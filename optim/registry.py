@@ -137,8 +137,7 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
                                    "times slower; tf32 and fp16 need a GPU"))
     out["channels_last"] = (True, "NHWC convolutions" + ("" if cuda else " (gains are largest on GPUs)"))
     xr = _attention.unavailable_reason("xformers", dev)
-    out["attention"] = (True, "sdpa, math" + (", cudnn" if cuda else "") + ("" if xr else ", xformers")
-                        + (f"; xformers: {xr}" if xr else ""))
+    out["attention"] = (True, "sdpa, math" + ("" if xr else ", xformers") + (f"; xformers: {xr}" if xr else ""))
     cr = _compile.unavailable_reason(dev)
     out["compile"] = (cr is None, cr or ("default; reduce-overhead (CUDA graphs)" if cuda
                                          else "default (CUDA graphs need a GPU)"))

@@ -704,7 +704,7 @@ def _toggle_controls(C: dict, avail: dict[str, tuple[bool, str]]) -> None:
                                  visible=vis, interactive=ok, info=why or "the first run at a new size compiles (minutes)",
                                  elem_id="opt-compile")
     vis, ok, why = state("attention", show_info_when_ok=True)
-    C["attention"] = gr.Radio(["sdpa", "cudnn", "xformers", "math"], value="sdpa", label="Attention", visible=vis,
+    C["attention"] = gr.Radio(["sdpa", "xformers", "math"], value="sdpa", label="Attention", visible=vis,
                               interactive=ok, info=why, elem_id="opt-attention")
     for name, label, elem_id in (("channels_last", "channels_last memory format", "opt-channels-last"),
                                  ("fp8", "FP8 linear layers", "opt-fp8"), ("tensorrt", "TensorRT engine", "opt-tensorrt")):
