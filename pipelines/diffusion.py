@@ -37,6 +37,7 @@ from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, ResourceError, UnsafeModelError
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationResult, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
+from pipelines import overlap
 from pipelines.base import module_bytes
 
 ARCHS = dcat.ARCHS
@@ -633,6 +634,8 @@ class DiffusionPipeline:
         # generations on one pipeline are serialised by the GPU lock, so reuse is safe.
         self._views: dict[tuple[str, str], Any] = {}
         self._token_counts: dict[str, int] = {}
+        if self.device.type == "cuda":           # the UNet takes CPU timesteps without a sync (pipelines/overlap.py)
+            overlap.install_timestep_hook(self.pipe.unet)
 
     # -- optimization flags -------------------------------------------------------------------------
     def _apply_flags(self, flags: OptimizationFlags) -> dict:
@@ -769,6 +772,8 @@ class DiffusionPipeline:
             if len(self._views) >= 32:          # every task × scheduler is 2 × 13; never grows past that
                 self._views.clear()
             view = self._task_pipeline(task, make_scheduler(scheduler_name, self._base_scheduler_config))
+            if self.device.type == "cuda":       # scheduler arithmetic on the host: no sync per step
+                overlap.host_timesteps(view.scheduler)
             self._views[key] = view
         return view
 
@@ -900,8 +905,10 @@ class DiffusionPipeline:
         # The step-end callback reports progress and previews; a cancel flips the pipeline's interrupt
         # flag, so no further UNet call happens after the step in flight.
         state = {"done": 0, "total": 0, "cancelled": False}
+        pacer = overlap.StepPacer(self.device)
 
         def on_step_end(pipe, i, t, kw):
+            pacer.step()             # on a GPU: wait for step i-2, so progress is at most two steps early
             total = int(getattr(pipe, "num_timesteps", 0) or p.steps)
             state["done"], state["total"] = i + 1, total
             preview = None
