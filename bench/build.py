@@ -205,7 +205,8 @@ def loaded_diffusion(workload: Workload, device: torch.device, seed: int, weight
 
 
 def stock_diffusion_pipeline(workload: Workload, device: torch.device, seed: int, weights: str | None = None):
-    """The baseline: a plain diffusers pipeline in fp16 (SDPA is diffusers' default attention)."""
+    """The baseline: a plain diffusers pipeline in fp16 (SDPA is diffusers' default attention; its noise is drawn
+    in fp16, as diffusers draws it)."""
     pipe = loaded_diffusion(workload, device, seed, weights).pipe
     with quiet_diffusers():
         pipe.to(device, torch.float16)

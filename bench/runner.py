@@ -481,7 +481,12 @@ class _ProductDiffusion:
 
 
 class _StockDiffusion:
-    """diffusers' own pipeline called the normal way; stages from forward hooks (no syncs added)."""
+    """diffusers' own pipeline called the normal way; stages from forward hooks (no syncs added).
+
+    Left as stock on purpose (it is what a user would run instead): its fp16 pipeline draws the seed's noise in
+    fp16 on the CPU generator, where the studio draws float32 and casts (pipelines/diffusion_noise.py). On torch
+    versions whose CPU half sampler gives another stream (2.11), its image is another picture than the fp32
+    reference of the same seed, and its drift figures measure that rather than rounding."""
 
     def __init__(self, pipe, wl: Workload, batch: int, steps: int, device):
         self.pipe, self.wl, self.batch, self.steps, self.device = pipe, wl, batch, steps, device

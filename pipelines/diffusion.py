@@ -10,7 +10,8 @@ check inputs -> encode prompt -> prepare latents and denoise -> decode (with a N
 postprocess. The denoising loop is diffusers' own (called with `output_type="latent"` and a
 step-end callback), so with default settings on the CPU an image equals what diffusers gives
 for `generator=torch.Generator("cpu").manual_seed(seed)` and the same arguments, bit for bit.
-Seeds are always drawn on the CPU so a seed means the same image on every device.
+Seeds are always drawn on the CPU, and in float32 then cast (pipelines/diffusion_noise.py, as A1111 does), so a
+seed means the same image on every device and at every precision.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationR
 from models import diffusion_catalogue as dcat
 from pipelines import overlap
 from pipelines.base import module_bytes
+from pipelines.diffusion_noise import fp32_noise
 
 ARCHS = dcat.ARCHS
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -901,7 +903,8 @@ class DiffusionPipeline:
         with job.stage("text_encoder"), torch.no_grad(), self._runtime():
             embeds = self._encode_prompt(view, p, device, do_cfg)
 
-        # 3+4. prepare latents from the CPU generators and run diffusers' own denoising loop.
+        # 3+4. prepare latents from the CPU generators and run diffusers' own denoising loop. Every random draw
+        # in it is made in float32 and cast (fp32_noise), so a seed gives the same picture at every precision.
         # The step-end callback reports progress and previews; a cancel flips the pipeline's interrupt
         # flag, so no further UNet call happens after the step in flight.
         state = {"done": 0, "total": 0, "cancelled": False}
@@ -929,7 +932,7 @@ class DiffusionPipeline:
             call.update(image=chk.init_image, strength=float(p.strength))
         else:
             call.update(height=int(p.height), width=int(p.width))
-        with job.stage("denoise"), torch.no_grad(), self._runtime():
+        with job.stage("denoise"), torch.no_grad(), self._runtime(), fp32_noise():
             latents = view(**call).images
         if state["cancelled"]:
             return self._cancelled_result(request, job, chk, state, t0)

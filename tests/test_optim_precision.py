@@ -102,6 +102,9 @@ def test_gpu_precisions_stylegan(testdata, precision, min_psnr):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_gpu_diffusion_pipeline_casts_weights(precision):
+    """The cast pipeline's image is the fp32 picture to rounding. Noise is drawn as the studio draws it (fp32_noise):
+    stock diffusers draws fp16/bf16 noise in that dtype, which on torch 2.11 is another stream (about 13 dB)."""
+    from pipelines.diffusion_noise import fp32_noise
     from tests.optim_tiny import prompt_embeds, tiny_pipeline
 
     cuda = torch.device("cuda")
@@ -114,8 +117,9 @@ def test_gpu_diffusion_pipeline_casts_weights(precision):
 
     def run(p, dtype):
         g = torch.Generator("cpu").manual_seed(0)
-        return p(prompt_embeds=pe.to(dtype), negative_prompt_embeds=torch.zeros_like(pe).to(dtype), num_inference_steps=2,
-                 height=32, width=32, output_type="np", generator=g).images
+        with fp32_noise():
+            return p(prompt_embeds=pe.to(dtype), negative_prompt_embeds=torch.zeros_like(pe).to(dtype),
+                     num_inference_steps=2, height=32, width=32, output_type="np", generator=g).images
     ref, out = run(ref_pipe, torch.float32), run(pipe, want)
     assert psnr(ref, out, 1.0) > 30
 
