@@ -9,7 +9,8 @@ tensor in float32 from the seed and casts it to the working dtype; so do we.
 `fp32_noise()` puts `randn_fp32` in place of `randn_tensor` in every loaded diffusers module for the duration of a
 generation, which covers all of a generation's draws: the initial latents, image-to-image noise, the VAE
 encoder's latent sample and the per-step noise of ancestral/SDE samplers. In float32 `randn_fp32` calls diffusers'
-own function unchanged, so an fp32 image stays bit-identical to a plain diffusers call with the same generators.
+own function (moving its CPU draw to a GPU with a non-blocking copy from pinned memory, the same values), so an
+fp32 image stays bit-identical to a plain diffusers call with the same generators.
 
 The replacement only acts inside the `with` block that installed it (a context variable, so a stock diffusers
 call running at the same time in another thread, such as the benchmark's baseline, keeps diffusers' own
@@ -24,6 +25,8 @@ from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import torch
+
+from pipelines import overlap
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NAME = "randn_tensor"
@@ -52,14 +55,22 @@ def randn_fp32(shape, generator=None, device=None, dtype=None, layout=None) -> t
 
     Outside an `fp32_noise()` block of this thread, or for any other dtype, it is diffusers' function as is."""
     draw = _diffusers_randn()
-    if dtype not in HALF_DTYPES or not _active.get():
+    if not _active.get():
         return draw(shape, generator=generator, device=device, dtype=dtype, layout=layout)
-    # With CPU generators diffusers draws on the CPU and then moves; casting before the move halves the copy.
     gens = generator if isinstance(generator, list) else [generator]
     on_cpu = all(g is not None and g.device.type == "cpu" for g in gens)
+    target = torch.device(device) if device is not None else None
+    if dtype not in HALF_DTYPES:
+        if not (on_cpu and target is not None and target.type == "cuda"):
+            return draw(shape, generator=generator, device=device, dtype=dtype, layout=layout)
+        # The same CPU draw diffusers makes, moved without a host/device synchronisation (a plain .to(cuda)
+        # waits for the stream: once per step for an ancestral sampler).
+        return overlap.to_device(draw(shape, generator=generator, device=torch.device("cpu"), dtype=dtype,
+                                      layout=layout), target)
+    # With CPU generators diffusers draws on the CPU and then moves; casting before the move halves the copy.
     noise = draw(shape, generator=generator, device=torch.device("cpu") if on_cpu else device,
                  dtype=torch.float32, layout=layout).to(dtype)
-    return noise if device is None else noise.to(device)
+    return noise if target is None else overlap.to_device(noise, target)
 
 
 def _diffusers_modules() -> Iterator[Any]:
