@@ -130,6 +130,28 @@ def _diffusers():
     return diffusers
 
 
+_FIXED_DEVICE_CLASSES: dict[type, type] = {}
+
+
+def _fixed_device_class(cls: type) -> type:
+    """`cls` whose `_execution_device` is the device the studio placed it on, when one is set.
+
+    diffusers' property looks for offload hooks on every submodule of every component (twice a generation),
+    which on the H200's host took longer than SD-Turbo's UNet call. Same class name, so configs read alike."""
+    sub = _FIXED_DEVICE_CLASSES.get(cls)
+    if sub is None:
+        base_prop = cls._execution_device
+
+        def _execution_device(self):
+            dev = self.__dict__.get("_atelier_device")
+            return dev if dev is not None else base_prop.fget(self)
+
+        sub = type(cls.__name__, (cls,), {"_execution_device": property(_execution_device),
+                                          "__module__": cls.__module__, "__doc__": cls.__doc__})
+        _FIXED_DEVICE_CLASSES[cls] = sub
+    return sub
+
+
 def _pipeline_class(family: str, task: str = "txt2img"):
     d = _diffusers()
     return {("sd", "txt2img"): d.StableDiffusionPipeline, ("sd", "img2img"): d.StableDiffusionImg2ImgPipeline,
@@ -216,6 +238,15 @@ def _hub_error_message(repo_id: str, exc: Exception, where: str) -> str:
                 f"then try again")
     return (f"{repo_id} is not in the local cache ({where}) and could not be downloaded ({name}: {text}). "
             f"Check the network, or download it elsewhere with `huggingface-cli download {repo_id}` and copy the cache.")
+
+
+def _param_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of a module's first floating parameter. diffusers' `ModelMixin.dtype` walks every submodule for
+    casting hooks first: ~1 ms a read on a UNet, five reads a generation."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -686,7 +717,7 @@ class DiffusionPipeline:
             if v < 64 or v > MAX_SIDE or v % mult:
                 raise InputError(f"{label} must be a multiple of {mult} between 64 and {MAX_SIDE}; got {v} "
                                  f"(nearest valid: {max(64, min(MAX_SIDE, round(v / mult) * mult))})")
-        cap, free = pixel_cap(self.device, self.pipe.vae.dtype, self.flags, batch)
+        cap, free = pixel_cap(self.device, _param_dtype(self.pipe.vae), self.flags, batch)
         if w * h > cap:
             where = f"{free / 2**30:.1f} GiB free on {self.device}" if free else str(self.device)
             raise ResourceError(f"{w}x{h} × batch {batch} is too large to decode with {where} (cap: about "
@@ -790,8 +821,10 @@ class DiffusionPipeline:
         else:
             comps["force_zeros_for_empty_prompt"] = bool(self.pipe.config.get("force_zeros_for_empty_prompt", True))
             comps["add_watermarker"] = False
-        view = cls(**comps)
+        view = _fixed_device_class(cls)(**comps)
         view.set_progress_bar_config(disable=True)
+        if "cpu-offload" not in self.flags.memory:      # with offload, accelerate's hooks decide per module
+            view._atelier_device = self.device
         return view
 
     @staticmethod
@@ -811,7 +844,7 @@ class DiffusionPipeline:
 
     @contextlib.contextmanager
     def _vae_dtype(self, vae, dtype: torch.dtype | None):
-        orig = vae.dtype
+        orig = _param_dtype(vae)
         if dtype is None or orig == dtype:
             yield
             return
@@ -843,13 +876,14 @@ class DiffusionPipeline:
         vae = view.vae
         # SDXL's VAE overflows in fp16; diffusers' SDXL pipeline decodes it in fp32 when its config says so, and so
         # do we. (SD 1.x/2.x configs default to force_upcast too, but diffusers decodes those as they are.)
-        upcast = self.family == "sdxl" and vae.dtype == torch.float16 and vae.config.get("force_upcast", False)
+        vae_dtype = _param_dtype(vae)
+        upcast = self.family == "sdxl" and vae_dtype == torch.float16 and vae.config.get("force_upcast", False)
         first = torch.float32 if upcast else None
         # The fp32 copy must decode outside the request's autocast, which would run its convolutions in fp16
         # again (the overflow the upcast avoids; the NaN guard below would then blame the weights).
         precision = torch.autocast(self.device.type, enabled=False) if upcast else self._runtime()
         with self._vae_dtype(vae, first), precision:
-            used = "autocast-" + self.flags.precision if self._autocast_on() and not upcast else _dtype_name(vae.dtype)
+            used = "autocast-" + self.flags.precision if self._autocast_on() and not upcast else _dtype_name(_param_dtype(vae))
             image = self._vae_decode(view, latents, generator)
         # One check (one host/device sync) after the decode: NaN latents decode to a NaN image, so the latents are
         # only examined when the image is bad. Checking them before the decode would stall the host until the
@@ -963,7 +997,7 @@ class DiffusionPipeline:
         meta = self._metadata(request, chk, seeds, raw, latency_ms, peak, nsfw)
         return GenerationResult(images=images, raw=raw.astype(np.float32, copy=False), timings_ms=dict(job.timings_ms),
                                 peak_memory_bytes=peak, device=str(self.device),
-                                dtype=str(self.pipe.unet.dtype).replace("torch.", ""),
+                                dtype=str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
                                 optimizations=self.optimizations, notes=notes, metadata=meta)
 
     def _metadata(self, request, chk: CheckedInputs, seeds, raw, latency_ms, peak, nsfw) -> list[dict]:
@@ -975,7 +1009,7 @@ class DiffusionPipeline:
             "width": int(raw.shape[-1]), "height": int(raw.shape[-2]), "batch_size": int(p.batch_size),
             "task": chk.task, "flags": request.flags.to_dict(), "latency_ms": round(latency_ms, 3),
             "peak_vram_bytes": int(peak), "device": str(self.device),
-            "dtype": str(self.pipe.unet.dtype).replace("torch.", ""),
+            "dtype": str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
         }
         if chk.task == "img2img":
             common["strength"] = float(p.strength)
@@ -994,7 +1028,7 @@ class DiffusionPipeline:
                 f"(a half-denoised image is mostly noise)")
         return GenerationResult(images=[], raw=np.zeros((0, 3, int(p.height), int(p.width)), np.float32),
                                 timings_ms=dict(job.timings_ms), peak_memory_bytes=peak_memory_bytes(self.device),
-                                device=str(self.device), dtype=str(self.pipe.unet.dtype).replace("torch.", ""),
+                                device=str(self.device), dtype=str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
                                 optimizations=self.optimizations, notes=chk.notes + [note], metadata=[], cancelled=True)
 
 
