@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 10's H200 runs, one part or several per device call: bash scripts/h200_diffusion.sh PART...
-#   turbo   bench sd-turbo-512 at batch 1: fp32 (drift reference), baseline, best, best-warm (a second start)
-#   sd15    bench sd15-512 at batch 1: fp32, baseline, best, best-warm, best-fp8
+#   turbo   bench sd-turbo-512 at batch 1: fp32 (drift reference), baseline, best
+#   sd15    bench sd15-512 at batch 1: fp32, baseline, best
+#   warm-W  bench workload W's best again, in a new process on the compile cache the part before filled:
+#           its prepare_s + first_call_s is the time to a first image on a second start
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
-# best-warm has best's flags, so it starts on the compile cache best just filled: its first_call_s and
-# prepare_s are the time to a first image on a second start.
 # Carry [".whl", ".device_shared"], with training_state/ moved aside (docs/gpu-runbook.md).
 set -uo pipefail
 OUT=${OUT:-outputs/h200}
@@ -16,25 +16,32 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site || exit 1
 mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-warm() {   # NAME@flags of a workload's best, so the case reuses best's compile cache
+flags_of_best() {   # precision=fp16+channels_last=1+... of a workload's best
   python3 -c "
 import sys; from bench.specs import get_workload
 b = get_workload(sys.argv[1]).best
-print('best-warm@' + '+'.join(f'{k}={int(v) if isinstance(v, bool) else v}' for k, v in b.items()))" "$1"
+print('+'.join(f'{k}={int(v) if isinstance(v, bool) else v}' for k, v in b.items()))" "$1"
+}
+share_ref() {   # the fp32 reference an earlier part of this call made for workload $1, into folder $2
+  mkdir -p "$2/reference" && cp -n "$OUT"/*/reference/"$1"-* "$2/reference/" 2>/dev/null || true
 }
 BENCH="python3 app.py bench --batches 1 --no-report --quiet --isolate compiled"
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
     turbo) timeout ${TURBO_TIMEOUT:-420} $BENCH --workload sd-turbo-512 \
-             --configs "${TURBO_CONFIGS:-fp32,baseline,best,$(warm sd-turbo-512)}" --out "$OUT/turbo" ;;
+             --configs "${TURBO_CONFIGS:-fp32,baseline,best}" --out "$OUT/turbo" ;;
     sd15) timeout ${SD15_TIMEOUT:-540} $BENCH --workload sd15-512 \
-            --configs "${SD15_CONFIGS:-fp32,baseline,best,$(warm sd15-512),best-fp8}" --out "$OUT/sd15" ;;
+            --configs "${SD15_CONFIGS:-fp32,baseline,best}" --out "$OUT/sd15" ;;
+    warm-*) w=${part#warm-}   # best again in a new process, on the compile cache the run before filled
+            share_ref $w "$OUT/warm-$w"
+            timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs best --profile none --out "$OUT/warm-$w" ;;
     sdxl) timeout ${SDXL_TIMEOUT:-560} $BENCH --workload sdxl-1024 --repeats ${SDXL_REPEATS:-3} \
             --configs "${SDXL_CONFIGS:-baseline,best,best-fp8}" --out "$OUT/sdxl" ;;
-    fp8) for f in ${FP8_FILTERS:-640 320}; do
+    fp8) share_ref sd15-512 "$OUT/fp8"
+         for f in ${FP8_FILTERS:-640 320}; do
            ATELIER_FP8_MIN_FEATURES=$f timeout ${FP8_TIMEOUT:-200} $BENCH --workload sd15-512 --profile none \
-             --configs "best-fp8-$f@$(warm sd15-512 | cut -d@ -f2)+fp8=1" --out "$OUT/fp8"
+             --configs "best-fp8-$f@$(flags_of_best sd15-512)+fp8=1" --out "$OUT/fp8"
          done ;;
     tests) timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
              tests/test_diffusion_overlap.py tests/test_optim_precision.py tests/test_optim_fp8.py \
