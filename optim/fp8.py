@@ -6,32 +6,75 @@ tensor cores (`torch._scaled_mm`, 1449 TFLOP/s on the H200 vs 788 for bf16) and 
 in bf16.
 
 It pays only under torch.compile and on large matrix products (shared/GPU.md: a 4096² MLP is
-2× slower than bf16 eagerly, 1.1× faster compiled), so:
-- a size filter keeps layers with fewer than FP8_MIN_FEATURES input or output features in
-  bf16 (the per-call quantization costs more than the faster matmul saves);
-- without --compile the report warns that FP8 will be slower.
+2× slower than bf16 eagerly, 1.1× faster compiled), so what is quantized is chosen twice:
+- by role: layers whose product is small whatever their width stay bf16 (KEPT_BY_ROLE):
+  cross-attention K/V project the 77 text tokens only, and the time / added-condition
+  embeddings see one row per image;
+- by size: a layer with fewer than `min_features()` input or output features stays bf16
+  (FP8_MIN_FEATURES, or ATELIER_FP8_MIN_FEATURES so a GPU run can compare thresholds).
+Without --compile the report warns that FP8 will be slower. The report also says how much
+of the UNet's work FP8 covers (`coverage`): FP8 can only speed up that share.
+
+Never NaN: a row's scale is its largest |value| / 448, so an all-zero row would divide 0 by 0.
+SDXL's empty negative prompt is exactly zeros (`force_zeros_for_empty_prompt`), and every
+cross-attention K/V of that half of the CFG batch saw such rows: NaN latents on the H200.
+The row maximum is floored at ACTIVATION_SCALE_LB (torchao's `activation_value_lb`), so a
+zero row quantizes to zeros and the layer returns its bias, as in bf16. Keeping cross-attention
+K/V in bf16 removes the case where it happened, the floor removes it everywhere else.
+
 Convolutions: torchao's FP8 convolution needs compute capability 10.0 (Blackwell) and the
 mslk kernels package; elsewhere they stay in bf16, and the report says why.
 
 StyleGAN is not quantized: its convolutions are modulated (weights rebuilt per sample, so
 there is no fixed weight to store in FP8) and its dense layers are 512 wide at most.
 
-The quantized layers compute from bf16 (torchao's per-row scaling needs bf16 weights);
-each is wrapped so that it takes and returns the surrounding dtype with autocast off.
+Under torch.compile the quantized layers trace into the UNet's one graph (no graph break:
+tests hold it with fullgraph=True): torchao's tensor subclass is dispatched by AOTAutograd,
+the activation scales are device tensors (no .item(), no host sync), so CUDA graphs
+(reduce-overhead) capture it too. In a bf16 UNet a quantized Linear is left as it is (its
+weight becomes the FP8 tensor); in any other dtype it sits behind FP8Linear, which casts to
+bf16 and back (torchao's per-row scaling needs bf16) and turns autocast off only where it is on.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
+from core.errors import InputError
 from core.types import OptimizationFlags
 from optim.hardware import capability, has_package, where
 from optim.report import ToggleReport, applied, skipped
 from optim.targets import Context, Target
 
-FP8_MIN_FEATURES = 1024          # both in_features and out_features must reach this
+# Both in_features and out_features must reach this. Why not 640: quantizing the input costs a pass over
+# it (read bf16, write e4m3: 3-5 bytes per input element at ~3 TB/s), while the FP8 product saves 2·N FLOPs
+# per input element, 0.58 fs each (1/788 - 1/1449 TFLOP/s, GPU.md): the number of rows (tokens) cancels, and
+# even with both products at peak rate FP8 breaks even only at N ≈ 900-1400 output features. 640-wide
+# outputs cannot gain, 1280-wide ones barely (a 4096² MLP gained 1.1× compiled). The same holds in SD1.5
+# whatever the width: tokens × width² is constant (4096×320² = 1024×640² = 256×1280²), so a 640 filter
+# adds products of the same size with half the N. ATELIER_FP8_MIN_FEATURES=640 / 320 lets a GPU run measure it.
+FP8_MIN_FEATURES = 1024
+MIN_FEATURES_ENV = "ATELIER_FP8_MIN_FEATURES"
+# A row's max |value| is floored here before the scale (max / 448) is taken: an all-zero row then
+# quantizes to zeros instead of 0/0 = NaN. 1e-12 is torchao's own floor for float8 training
+# (torchao.float8.float8_utils.EPS); any real activation row is far above it.
+ACTIVATION_SCALE_LB = 1e-12
 MIN_CAPABILITY = (8, 9)
 CONV_MIN_CAPABILITY = (10, 0)
 TORCHAO_MISSING = "FP8 needs torchao (pip install torchao)"
+SIZE = "size filter"
+
+# Linear layers kept in bf16 for what they compute, whatever their width: (role, name parts, why).
+KEPT_BY_ROLE = (
+    ("cross-attention K/V", ("attn2.to_k", "attn2.to_v"),
+     "they project the text embedding (77 tokens), a product too small to gain from FP8; SDXL's empty "
+     "negative prompt is all zeros there"),
+    ("time embeddings", ("time_embedding", "time_emb_proj", "add_embedding"),
+     "one row per image: a matrix-vector product FP8 cannot speed up, and each call adds quantization kernels"),
+)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -43,6 +86,21 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def min_features(env: dict[str, str] | None = None) -> int:
+    """The size filter: FP8_MIN_FEATURES, or ATELIER_FP8_MIN_FEATURES when set (read per call, not at import)."""
+    raw = (os.environ if env is None else env).get(MIN_FEATURES_ENV, "").strip()
+    if not raw:
+        return FP8_MIN_FEATURES
+    try:
+        n = int(raw)
+    except ValueError:
+        raise InputError(f"{MIN_FEATURES_ENV} must be a whole number of features (e.g. 1024, 640 or 320); "
+                         f"got {raw!r}") from None
+    if n < 16:
+        raise InputError(f"{MIN_FEATURES_ENV} must be at least 16 (the FP8 matrix product needs 16-wide tiles); got {n}")
+    return n
+
+
 def selects(module: torch.nn.Module, min_features: int = FP8_MIN_FEATURES) -> bool:
     """The size filter: a Linear large enough for FP8 to gain, with dims the FP8 GEMM accepts (multiples of 16)."""
     if not isinstance(module, torch.nn.Linear):
@@ -51,8 +109,48 @@ def selects(module: torch.nn.Module, min_features: int = FP8_MIN_FEATURES) -> bo
     return i >= min_features and o >= min_features and i % 16 == 0 and o % 16 == 0
 
 
+def kept_role(name: str) -> str | None:
+    """The KEPT_BY_ROLE role a layer name has (matched on whole dotted parts), or None."""
+    dotted = f".{name}."
+    for role, parts, _ in KEPT_BY_ROLE:
+        if any(f".{p}." in dotted for p in parts):
+            return role
+    return None
+
+
+@dataclass
+class Selection:
+    """Which Linears go to FP8 and, for the others, why not (reason -> layer names)."""
+
+    fp8: list[str] = field(default_factory=list)
+    kept: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def kept_count(self) -> int:
+        return sum(len(v) for v in self.kept.values())
+
+
+def select(module: torch.nn.Module, min_features: int = FP8_MIN_FEATURES) -> Selection:
+    """Size filter first, then roles: a role is reported only for layers it kept out of FP8."""
+    sel = Selection()
+    for name, m in module.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        role = kept_role(name)
+        if not selects(m, min_features):
+            sel.kept.setdefault(SIZE, []).append(name)
+        elif role is not None:
+            sel.kept.setdefault(role, []).append(name)
+        else:
+            sel.fp8.append(name)
+    return sel
+
+
 class FP8Linear(torch.nn.Module):
-    """A torchao-quantized Linear behind a dtype boundary: bf16 inside, the caller's dtype outside."""
+    """A torchao-quantized Linear behind a dtype boundary: bf16 inside, the caller's dtype outside.
+
+    Only for layers of a model that is not bf16 (a bf16 model's quantized Linears need no boundary).
+    Traces without a graph break; where the input is already bf16 and autocast is off it adds nothing."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -68,6 +166,8 @@ class FP8Linear(torch.nn.Module):
         return self.inner.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and not torch.is_autocast_enabled(x.device.type):
+            return self.inner(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
             return self.inner(x.to(torch.bfloat16)).to(x.dtype)
 
@@ -78,21 +178,100 @@ def _swap(root: torch.nn.Module, fqn: str, new: torch.nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def quantize_linears(module: torch.nn.Module, min_features: int = FP8_MIN_FEATURES) -> tuple[list[str], int]:
-    """Quantize the selected Linears of `module` in place; returns (FP8 layer names, layers kept)."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+def fp8_config():
+    """torchao's per-row float8 config with the activation-scale floor."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-    chosen = [(n, m) for n, m in module.named_modules() if selects(m, min_features)]
-    kept = sum(1 for _, m in module.named_modules() if isinstance(m, torch.nn.Linear)) - len(chosen)
     # set_inductor_config=False: torchao's "recommended" settings are process-wide (coordinate-descent
     # tuning, TF32 matmuls via set_float32_matmul_precision) and would change every other cached pipeline,
     # the fp32 reference included.
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    for name, lin in chosen:
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_SCALE_LB,
+                                                     set_inductor_config=False)
+
+
+def quantize_linears(module: torch.nn.Module, min_features: int = FP8_MIN_FEATURES) -> Selection:
+    """Quantize the selected Linears of `module` in place; returns the selection."""
+    from torchao.quantization import quantize_
+
+    sel = select(module, min_features)
+    config = fp8_config()
+    for name in sel.fp8:
+        lin = module.get_submodule(name)
+        boundary = lin.weight.dtype != torch.bfloat16
         lin.to(torch.bfloat16)
         quantize_(lin, config)         # a bare Linear: the default filter takes it
-        _swap(module, name, FP8Linear(lin))
-    return [n for n, _ in chosen], kept
+        if boundary:
+            _swap(module, name, FP8Linear(lin))
+    return sel
+
+
+# ---------------------------------------------------------------------------------------------
+# Coverage: how much of the work FP8 can speed up
+
+
+def linear_flops(module: torch.nn.Module, run: Callable[[], object]) -> tuple[dict[str, int], int]:
+    """FLOPs of each Linear of `module` during `run()` (2 × rows × in × out), and all FLOPs torch's
+    flop counter sees in that call (matmuls, convolutions; attention on CUDA only)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    per_layer: dict[str, int] = {}
+
+    def hook(name):
+        def count(m, args, out):
+            x = args[0]
+            per_layer[name] = per_layer.get(name, 0) + 2 * (x.numel() // m.in_features) * m.in_features * m.out_features
+        return count
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return per_layer, int(counter.get_total_flops())
+
+
+def coverage(sel: Selection, per_layer: dict[str, int], total: int) -> dict:
+    """Shares of the Linear FLOPs (and of all counted FLOPs) in FP8 and in each kept group."""
+    linear = sum(per_layer.values())
+    if not linear:
+        return {"linear_flops_in_fp8": 0.0}
+    fp8 = sum(per_layer.get(n, 0) for n in sel.fp8)
+    return {"linear_flops_in_fp8": round(fp8 / linear, 4),
+            "unet_flops_in_fp8": round(fp8 / total, 4) if total else None,
+            "linear_share_of_unet": round(linear / total, 4) if total else None,
+            "kept_linear_flops": {k: round(sum(per_layer.get(n, 0) for n in v) / linear, 4) for k, v in sel.kept.items()}}
+
+
+def _unet_coverage(unet: torch.nn.Module, sel: Selection, device: torch.device) -> dict:
+    from optim.prune import unet_probe_inputs
+
+    try:
+        inputs = unet_probe_inputs(unet, device)
+        per_layer, total = linear_flops(unet, lambda: unet(**inputs))
+    except Exception as exc:  # a figure for the report only: never cost the artist the toggle
+        return {"error": f"not measured ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"}
+    size = int(unet.config.sample_size)           # unet_probe_inputs ran at it
+    out = coverage(sel, per_layer, total)
+    out["measured_on"] = (f"one UNet pass at its {size}×{size} sample size, 77 text tokens (the shares do not depend "
+                          "on the batch; at other resolutions the 77-token and per-image layers weigh differently)")
+    if device.type != "cuda":
+        out["note"] = "attention FLOPs are counted on CUDA only, so unet_flops_in_fp8 and linear_share_of_unet are overstated here"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The toggle
+
+
+def _conv_note(device: torch.device) -> str:
+    cap = capability(device)
+    if cap is None or cap < CONV_MIN_CAPABILITY or not has_package("mslk"):
+        here = f"this GPU is {cap[0]}.{cap[1]}" if cap else where(device)
+        return ("convolutions stay bf16: torchao's FP8 convolution needs compute capability 10.0 (Blackwell) "
+                f"and the mslk package; {here}")
+    return "convolutions stay bf16: torchao's FP8 convolution is not enabled in this build"
 
 
 def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleReport:
@@ -105,18 +284,27 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
     if ctx.offloaded:
         return skipped("FP8 is not combined with model CPU offload here; turn off cpu-offload")
     unet = target.get("unet")
-    layers, kept = quantize_linears(unet)
-    if not layers:
+    threshold = min_features()
+    source = MIN_FEATURES_ENV if os.environ.get(MIN_FEATURES_ENV, "").strip() else "default"
+    planned = select(unet, threshold)
+    if not planned.fp8:
         return skipped(f"no linear layer of this UNet is large enough for FP8 (size filter: in and out features "
-                       f">= {FP8_MIN_FEATURES}); all left as they were", size_filter=FP8_MIN_FEATURES)
-    cap = capability(ctx.device)
-    conv_note = ("convolutions stay bf16: torchao's FP8 convolution needs compute capability 10.0 (Blackwell) "
-                 f"and the mslk package; this GPU is {cap[0]}.{cap[1]}" if cap < CONV_MIN_CAPABILITY or not has_package("mslk")
-                 else "convolutions stay bf16: torchao's FP8 convolution is not enabled in this build")
-    details = {"component": "unet", "granularity": "per-row", "size_filter": FP8_MIN_FEATURES,
-               "fp8_layers": len(layers), "kept_bf16_layers": kept, "layers": layers, "convolutions": conv_note,
+                       f">= {threshold}); all left as they were", size_filter=threshold, size_filter_from=source)
+    cover = _unet_coverage(unet, planned, ctx.device)       # before quantizing: the bf16 layers as they run
+    sel = quantize_linears(unet, threshold)
+    roles = {role: why for role, _, why in KEPT_BY_ROLE}
+    kept = {k: {"layers": len(v), "why": roles.get(k, f"in or out features below {threshold}, or not a multiple of 16")}
+            for k, v in sel.kept.items()}
+    share = cover.get("linear_flops_in_fp8")
+    details = {"component": "unet", "granularity": "per-row", "size_filter": threshold, "size_filter_from": source,
+               "fp8_layers": len(sel.fp8), "kept_bf16_layers": sel.kept_count, "kept_bf16": kept,
+               "activation_scale_lb": ACTIVATION_SCALE_LB,
+               "activation_scale": (f"per-row max |x| floored at {ACTIVATION_SCALE_LB:g} before the scale: an all-zero row "
+                                    "(SDXL's empty negative prompt) quantizes to zeros, not 0/0 = NaN"),
+               "coverage": cover, "layers": sel.fp8, "convolutions": _conv_note(ctx.device),
                "other_components": "text encoders run once per image and the VAE has no large linears: unchanged"}
     if flags.compile == "off":
         details["warning"] = "without --compile FP8 is slower than bf16 (eager per-call quantization); add --compile default"
-    return applied(f"{len(layers)} UNet linear layers in FP8 (e4m3, per-row scales); {kept} smaller ones left as they were",
-                   **details)
+    covered = f"; they carry {share:.1%} of the UNet's linear FLOPs" if isinstance(share, float) else ""
+    return applied(f"{len(sel.fp8)} UNet linear layers in FP8 (e4m3, per-row scales){covered}; "
+                   f"{sel.kept_count} left as they were (see kept_bf16)", **details)
