@@ -103,6 +103,15 @@ def _unet_probe(unet: torch.nn.Module, device: torch.device) -> Callable[[], tor
     return run
 
 
+def _counted(probe: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The probe's output and its FLOPs (matrix products and convolutions, as torch's FLOP counter counts)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        out = probe()
+    return out, int(fc.get_total_flops())
+
+
 def _drift(ref: torch.Tensor, out: torch.Tensor, what: str) -> dict:
     rng = float(ref.max() - ref.min()) if what == "unet" else 2.0
     return {"psnr_db": round(psnr_db(ref, out, rng), 2), "rel_err": round(rel_err(ref, out), 5),
@@ -366,7 +375,7 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
         what = "unet"
     if method == "structured" and what == "unet" and not has_package("torch_pruning"):
         return skipped("structured UNet pruning needs torch-pruning (pip install torch-pruning)", **base)
-    ref = probe()
+    ref, flops_before = _counted(probe)
     params_before = count_params(module)
     try:
         if method == "l1-unstructured":
@@ -378,10 +387,15 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
             details = structured_unet(module, amount, dev)
     except (NotPrunable, ValueError) as exc:
         return skipped(f"could not prune this model: {exc}", **base)
-    out = probe()
+    out, flops_after = _counted(probe)
     params_after = count_params(module)
     rep = {**base, "params_before": params_before, "params_after": params_after,
            "drift": _drift(ref, out, what), **details}
+    if flops_before:
+        # What the dense kernels have left to do on the probe: the speed-up a compute-bound run can reach
+        # (the H200 eager runs were launch- and sync-bound, where pruning gained nothing: prune with --compile).
+        rep["flops"] = {"before": flops_before, "after": flops_after,
+                        "fraction_left": round(flops_after / flops_before, 4), "probe": "the drift probe's forward pass"}
     if method == "l1-unstructured":
         rep["nonzero_params_after"] = params_after - int(round(details["sparsity"] * details["pruned_weights"]))
         rep["speedup"] = NO_SPEEDUP

@@ -142,7 +142,8 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
     out["compile"] = (cr is None, cr or ("default; reduce-overhead (CUDA graphs)" if cuda
                                          else "default (CUDA graphs need a GPU)"))
     fr = _fp8.unavailable_reason(dev)
-    out["fp8"] = (fr is None, fr or f"torchao float8 on linear layers >= {_fp8.FP8_MIN_FEATURES} features (diffusion)")
+    out["fp8"] = (fr is None, fr or f"torchao float8 on UNet linear layers >= {_fp8.min_features()} features "
+                                    "(diffusion; cross-attention K/V and time embeddings stay bf16)")
     out["prune"] = (True, "l1-unstructured; structured (StyleGAN channels"
                     + (", UNet ResNet blocks via torch-pruning)" if has_package("torch_pruning")
                        else "; UNet needs torch-pruning)"))

@@ -890,8 +890,10 @@ class DiffusionPipeline:
         # denoiser had finished, instead of letting it queue the decoder behind it.
         if not bool(torch.isfinite(image).all()):
             if not bool(torch.isfinite(latents).all()):
-                raise AtelierError("the denoiser produced NaN/Inf latents, so there is no image to decode. This happens "
-                                   "with fp16 on some SD 2.x models: try bf16 or fp32 precision, or another scheduler.")
+                hint = ("FP8 is on: turn it off, or report the model (FP8 layers are floored against zero rows)"
+                        if self.flags.fp8 else "this happens with fp16 on some SD 2.x models: try bf16 or fp32 "
+                                               "precision, or another scheduler")
+                raise AtelierError(f"the denoiser produced NaN/Inf latents, so there is no image to decode; {hint}.")
             if used != "fp32":
                 with self._vae_dtype(vae, torch.float32), torch.autocast(device.type, enabled=False):
                     image = self._vae_decode(view, latents.float(), generator)

@@ -231,9 +231,16 @@ def test_configuration_names_and_custom_flags():
     wl = get_workload("sdxl-1024")
     cfgs = {c.name: c for c in resolve_configs(wl, ["baseline", "fp32", "best", "best-fp8", "x@precision=fp16+prune=0.3"])}
     assert cfgs["baseline"].is_baseline and not cfgs["fp32"].is_baseline
-    assert cfgs["best"].flags.precision == "bf16" and cfgs["best"].flags.compile == "default"
+    assert cfgs["best"].flags.precision == "bf16" and cfgs["best"].flags.compile == "reduce-overhead"
     assert cfgs["best-fp8"].flags.fp8 and cfgs["best-fp8"].uses_compile
     assert cfgs["x"].flags.prune_amount == pytest.approx(0.3) and cfgs["x"].flags.precision == "fp16"
+    # pruning rows are the workload's best plus pruning, so they compare with `best` one change apart
+    pr = resolve_configs(wl, ["prune-25", "prune-50"])
+    best = cfgs["best"].flags
+    for c, amount in zip(pr, (0.25, 0.5)):
+        assert c.flags.prune_amount == pytest.approx(amount) and c.flags.prune_method == "structured"
+        assert (c.flags.precision, c.flags.compile, c.flags.channels_last) == (best.precision, best.compile,
+                                                                              best.channels_last)
     assert resolve_configs(get_workload("sg2-1024"), ["fp32"])[0].fp32_layers
     assert parse_custom("a@channels-last=yes+memory=vae-tiling/vae-slicing")[1] == {
         "channels_last": True, "memory": ("vae-tiling", "vae-slicing")}
