@@ -8,14 +8,7 @@
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
 # Carry [".whl", ".device_shared"], with training_state/ moved aside (docs/gpu-runbook.md).
-set -uo pipefail
-OUT=${OUT:-outputs/h200}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+source "$(dirname "$0")/h200_env.sh"
 flags_of_best() {   # precision=fp16+channels_last=1+... of a workload's best
   python3 -c "
 import sys; from bench.specs import get_workload

@@ -6,14 +6,7 @@
 #   tp      bench sg2-1024 throughput batches 32/64/128 (+ sg3t-1024 at 16)
 #   prof    kernel tables (torch.profiler) of the configurations named in PROF_CONFIGS
 # Carry [".whl", ".device_shared"], with training_state/ moved aside (docs/gpu-runbook.md).
-set -uo pipefail
-OUT=${OUT:-outputs/h200}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+source "$(dirname "$0")/h200_env.sh"
 B1_CONFIGS=${B1_CONFIGS:-baseline,fp32,tf32,fp16,bf16,bf16-cl,best,refops-bf16@precision=bf16+kernels=reference}
 TP_CONFIGS=${TP_CONFIGS:-baseline,bf16,bf16-cl,best}
 for part in "$@"; do
