@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
 import threading
 import time
 
@@ -23,8 +24,22 @@ def sd(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def studio(tmp_path_factory, sd, testdata):
-    with running_studio(tmp_path_factory.mktemp("a1111"), models=(sd,)) as demo:
+def sd_b(tmp_path_factory, sd):
+    """A second model for switching (the same weights under another name: the name shows which one ran)."""
+    folder = tmp_path_factory.mktemp("a1111-models") / "tiny-sd-b"
+    shutil.copytree(sd, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def late(tmp_path_factory):
+    """A model path the studio is told about but which only appears after it started (refresh-checkpoints)."""
+    return tmp_path_factory.mktemp("a1111-late") / "tiny-sd-late"
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory, sd, sd_b, late, testdata):
+    with running_studio(tmp_path_factory.mktemp("a1111"), models=(sd, sd_b, late)) as demo:
         yield demo
 
 
@@ -149,3 +164,103 @@ def test_auth_is_the_studios(tmp_path, sd):
         assert httpx.get(u).status_code == 401
         assert httpx.get(u, auth=("ana", "wrong")).status_code == 401
         assert httpx.get(u, auth=("ana", "s3cret")).status_code == 200
+
+
+# -- issue 16: a drop-in for A1111 scripts -------------------------------------------------------------------
+
+def _options(studio) -> dict:
+    r = httpx.get(url(studio, "/options"))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _set_options(studio, body: dict) -> httpx.Response:
+    return httpx.post(url(studio, "/options"), json=body, timeout=60)
+
+
+def test_options_switch_the_model_txt2img_uses(studio, sd, sd_b):
+    assert _options(studio)["sd_model_checkpoint"] == str(sd)                  # the catalogue's default
+    try:
+        r = _set_options(studio, {"sd_model_checkpoint": "tiny-sd-b"})         # by model_name, as scripts do
+        assert r.status_code == 200 and r.json() is None, r.text               # A1111 answers null
+        assert _options(studio)["sd_model_checkpoint"] == str(sd_b)            # reported by its title
+        out = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1}, timeout=300)
+        assert out.status_code == 200, out.text
+        assert json.loads(out.json()["info"])["sd_model_name"] == "tiny-sd-b"
+        titles = {m["title"] for m in httpx.get(url(studio, "/sd-models")).json()}
+        assert str(sd) in titles
+        assert _set_options(studio, {"sd_model_checkpoint": str(sd)}).status_code == 200   # by title
+        assert _options(studio)["sd_model_checkpoint"] == str(sd)
+    finally:
+        _set_options(studio, {"sd_model_checkpoint": str(sd)})
+
+
+def test_options_refuse_unknown_models_and_keys_and_set_nothing(studio, sd):
+    r = _set_options(studio, {"sd_model_checkpoint": "no-such-model"})
+    assert r.status_code == 404 and "no-such-model" in r.json()["detail"] and str(sd) in r.json()["detail"]
+    # all or nothing: the bad key refuses the whole body, the good checkpoint before it is not set either
+    r = _set_options(studio, {"sd_model_checkpoint": "tiny-sd-b", "no_such_option": 3})
+    assert r.status_code == 422 and "no_such_option" in r.json()["detail"]
+    r = _set_options(studio, {"samples_format": "jpg"})
+    assert r.status_code == 422 and "samples_format" in r.json()["detail"] and "png" in r.json()["detail"]
+    assert _options(studio)["sd_model_checkpoint"] == str(sd)
+    # what Atelier honours is accepted and echoed; null leaves an option alone (A1111 does the same)
+    assert _set_options(studio, {"samples_format": "png", "sd_vae": "None", "no_such_option": None}).status_code == 200
+    opts = _options(studio)
+    assert opts["samples_format"] == "png" and opts["sd_vae"] == "None" and "no_such_option" not in opts
+    assert _set_options(studio, {"sd_vae": "Automatic"}).status_code == 200
+
+
+def test_override_settings_name_a_model_by_model_name_or_title(studio, sd_b):
+    models = {m["model_name"]: m for m in httpx.get(url(studio, "/sd-models")).json()}
+    assert models["tiny-sd-b"]["title"] == str(sd_b)
+    for name in ("tiny-sd-b", str(sd_b)):
+        r = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1,
+                                                      "override_settings": {"sd_model_checkpoint": name}}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["info"])["sd_model_name"] == "tiny-sd-b"
+
+
+def test_sizes_off_the_multiple_of_8_are_floored_as_a1111_does(studio):
+    r = httpx.post(url(studio, "/txt2img"), json={**BODY, "batch_size": 1, "width": 100, "height": 64}, timeout=300)
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert _decode(r.json()["images"][0]).size == (96, 64)
+    assert (info["width"], info["height"]) == (96, 64) and "Size: 96x64" in info["infotexts"][0]
+    assert any("width 100 was rounded down to 96" in n for n in info["atelier_notes"])
+    assert r.json()["parameters"]["width"] == 100                            # the request, echoed as sent
+    for bad in ({"width": 63}, {"height": 4097}):                            # the bounds still hold
+        r = httpx.post(url(studio, "/txt2img"), json={**BODY, **bad}, timeout=60)
+        assert r.status_code == 422 and next(iter(bad)) in r.json()["detail"]
+
+
+def test_refresh_checkpoints_lists_a_model_that_appeared(studio, sd, late):
+    assert str(late) not in {m["filename"] for m in httpx.get(url(studio, "/sd-models")).json()}
+    shutil.copytree(sd, late)
+    r = httpx.post(url(studio, "/refresh-checkpoints"), timeout=60)
+    assert r.status_code == 200 and r.json() is None, r.text                  # A1111 answers null
+    assert "tiny-sd-late" in {m["model_name"] for m in httpx.get(url(studio, "/sd-models")).json()}
+
+
+def test_sd_vae_lists_no_extra_vae(studio):
+    r = httpx.get(url(studio, "/sd-vae"))
+    assert r.status_code == 200 and r.json() == []
+
+
+def test_loras_lists_none(studio):
+    r = httpx.get(url(studio, "/loras"))
+    assert r.status_code == 200 and r.json() == []
+
+
+def test_upscalers_list_a1111s_none(studio):
+    r = httpx.get(url(studio, "/upscalers"))
+    assert r.status_code == 200
+    assert r.json() == [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]
+
+
+def test_cmd_flags_in_a1111s_names(studio):
+    r = httpx.get(url(studio, "/cmd-flags"))
+    assert r.status_code == 200
+    flags, settings = r.json(), studio.atelier_runtime.services.settings
+    assert flags["api"] is True and flags["listen"] is False and flags["share"] is False
+    assert flags["port"] == settings.port and flags["server_name"] == "127.0.0.1" and flags["api_auth"] is None

@@ -5,7 +5,8 @@ routes here let them drive Atelier's diffusion backend without changes:
 
     POST /sdapi/v1/txt2img     POST /sdapi/v1/img2img     POST /sdapi/v1/png-info
     GET  /sdapi/v1/sd-models   GET  /sdapi/v1/samplers    GET  /sdapi/v1/schedulers
-    GET  /sdapi/v1/progress    POST /sdapi/v1/interrupt   GET  /sdapi/v1/options
+    GET  /sdapi/v1/progress    POST /sdapi/v1/interrupt   GET|POST /sdapi/v1/options
+    POST /sdapi/v1/refresh-checkpoints   GET /sdapi/v1/sd-vae, loras, upscalers, cmd-flags
 
 Requests are read with A1111's field names (prompt, negative_prompt, seed (-1 = random),
 steps, cfg_scale, width, height, sampler_name + scheduler, batch_size, n_iter,
@@ -55,6 +56,9 @@ UNSUPPORTED = {                       # A1111 fields with an effect Atelier does
     "enable_hr": "hires fix", "restore_faces": "face restoration", "tiling": "seamless tiling",
     "script_name": "scripts", "alwayson_scripts": "extensions", "subseed_strength": "variation seeds",
     "refiner_checkpoint": "the SDXL refiner", "mask": "inpainting masks",
+}
+OPTION_CHOICES = {                    # A1111 options POST /options takes besides sd_model_checkpoint: what Atelier honours
+    "samples_format": ("png",), "sd_vae": ("Automatic", "None"), "CLIP_stop_at_last_layers": (1,),
 }
 _decode_slots = threading.BoundedSemaphore(2)   # png-info decodes at once (img2img decodes under the job lock)
 
@@ -237,6 +241,11 @@ def build_request(body: dict[str, Any], img2img: bool, device: str | None,
     steps = _int(body, "steps", 20, 1, MAX_STEPS)
     guidance = _num(body, "cfg_scale", 7.0, 0.0, MAX_GUIDANCE)
     width, height = _int(body, "width", 512, 64, MAX_SIDE), _int(body, "height", 512, 64, MAX_SIDE)
+    notes: list[str] = []
+    for key, v in (("width", width), ("height", height)):
+        if v % 8:      # A1111 makes its latent (side // 8) and so floors the image to a multiple of 8
+            notes.append(f"{key} {v} was rounded down to {v // 8 * 8} (a multiple of 8, as A1111 does)")
+    width, height = width // 8 * 8, height // 8 * 8
     sampler = _str(body, "sampler_name", None, MAX_NAME_CHARS, nullable=True)
     sampler_index = _str(body, "sampler_index", None, MAX_NAME_CHARS, nullable=True)
     schedule = _str(body, "scheduler", None, MAX_NAME_CHARS, nullable=True)
@@ -246,7 +255,6 @@ def build_request(body: dict[str, Any], img2img: bool, device: str | None,
     model = _str(override, "sd_model_checkpoint", None, 4096, nullable=True) if "sd_model_checkpoint" in override \
         else _str(body, "sd_model_checkpoint", None, 4096, nullable=True)
     flags = _flags(override)
-    notes: list[str] = []
     init, strength = None, 0.75
     if img2img:
         strength = _num(body, "denoising_strength", 0.75, 0.0, 1.0, lo_open=True)
@@ -265,6 +273,32 @@ def build_request(body: dict[str, Any], img2img: bool, device: str | None,
                              width=width, height=height, scheduler=scheduler, batch_size=batch, init_image=init,
                              strength=strength)
     return GenerationRequest("diffusion", model or None, params, flags, device), n_iter, notes
+
+
+MODEL_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+
+
+def model_name_of(e) -> str:
+    """A1111's `model_name` for a catalogue entry: the file or folder name without its extension."""
+    name = (e.path or e.id).rstrip("/").split("/")[-1]
+    for suffix in MODEL_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def find_model(catalogue, ref: str | None):
+    """The listed diffusion entry that `ref` names: its title (our id), path, model_name or file name, as
+    A1111 accepts any of a checkpoint's aliases. None when no listed entry has that name."""
+    if not ref:
+        return None
+    entries = catalogue.entries("diffusion")
+    for match in (lambda e: ref in (e.id, e.path),
+                  lambda e: ref == model_name_of(e) or ref == (e.path or e.id).rstrip("/").split("/")[-1]):
+        for e in entries:
+            if match(e):
+                return e
+    return None
 
 
 def infotext(meta: dict[str, Any], sampler_label: str, model_name: str) -> str:
@@ -292,6 +326,63 @@ class A1111Api:
         self._lock = threading.Lock()
         self.job: Job | None = None
         self.progress = {"step": 0, "total": 0, "job_no": 0, "job_count": 0}
+        # A1111's POST /options state, held by this API (not the studio): the model a request that names none
+        # gets (None = the catalogue's default) and the other options a client set
+        self.checkpoint: str | None = None
+        self.options = {k: v[0] for k, v in OPTION_CHOICES.items()}
+
+    # -- models and options -------------------------------------------------------------------
+    def model_for(self, ref: str | None) -> str | None:
+        """The catalogue id a request's model name means: any name /sd-models lists (title, model_name, file
+        name), else the name itself (a path or hub id the catalogue resolves or refuses); none = the options'."""
+        if not ref:
+            return self.checkpoint
+        e = find_model(self.services.catalogue, ref)
+        return e.id if e is not None else ref
+
+    def checkpoint_title(self) -> str | None:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        try:
+            return self.services.catalogue.default("diffusion").id
+        except AtelierError:
+            return None
+
+    def options_json(self) -> dict:
+        return {"sd_model_checkpoint": self.checkpoint_title(), "sd_checkpoint_hash": None, **self.options}
+
+    def set_options(self, body: Any) -> None:
+        """A1111's POST /options, all or nothing: every key is checked before any is set. A1111 refuses a
+        checkpoint it does not list and an option key it does not have (unless the value is null); so does
+        this, with 4xx errors that say what is accepted."""
+        if not isinstance(body, dict):
+            raise InputError("the request body must be a JSON object like {\"sd_model_checkpoint\": \"<title>\"}")
+        changes: dict[str, Any] = {}
+        for key, v in body.items():
+            if v is None:                      # A1111 leaves an option alone when it is sent as null
+                continue
+            if key == "sd_model_checkpoint":
+                name = _str(body, key, None, 4096)
+                e = find_model(self.services.catalogue, name)
+                if e is None:
+                    titles = ", ".join(repr(x.id) for x in self.services.catalogue.entries("diffusion")[:8]) or "none"
+                    shown = name if len(name) <= 80 else name[:77] + "..."
+                    raise ModelLoadError(f"model {shown!r} is not in /sdapi/v1/sd-models; name one by its title or "
+                                         f"model_name (titles: {titles})")
+                changes[key] = e.id
+            elif key in OPTION_CHOICES:
+                if v not in OPTION_CHOICES[key] or isinstance(v, bool):
+                    allowed = " or ".join(repr(c) for c in OPTION_CHOICES[key])
+                    raise InputError(f"{key} can only be {allowed} on Atelier; got {_kind(v)}")
+                changes[key] = v
+            else:
+                raise InputError(f"{key!r} is not an option Atelier has; known: sd_model_checkpoint, "
+                                 f"{', '.join(OPTION_CHOICES)}")
+        for key, v in changes.items():
+            if key == "sd_model_checkpoint":
+                self.checkpoint = v
+            else:
+                self.options[key] = v
 
     # -- auth ---------------------------------------------------------------------------------
     def check_auth(self, request) -> None:
@@ -330,6 +421,7 @@ class A1111Api:
         except BaseException:
             self._lock.release()
             raise
+        request = dataclasses.replace(request, model=self.model_for(request.model))
         p = request.params
         ticket = self.rt.queue.join()
         try:
@@ -507,7 +599,7 @@ def mount_a1111_api(demo) -> A1111Api:
     async def sd_models(request):
         out = []
         for e in services.catalogue.entries("diffusion"):
-            out.append({"title": e.id, "model_name": (e.path or e.id).rstrip("/").split("/")[-1], "hash": None,
+            out.append({"title": e.id, "model_name": model_name_of(e), "hash": None,
                         "sha256": None, "filename": e.path or e.id, "config": None, "atelier_kind": e.kind,
                         "atelier_source": e.source})
         return out
@@ -532,11 +624,39 @@ def mount_a1111_api(demo) -> A1111Api:
 
     @route("/options", "GET")
     async def options(request):
-        try:
-            default = services.catalogue.default("diffusion").id
-        except AtelierError:
-            default = None
-        return {"sd_model_checkpoint": default, "samples_format": "png"}
+        return api.options_json()
+
+    @route("/options", "POST")
+    async def set_options(request):
+        api.set_options(await body_of(request))
+        return None                                  # A1111 answers null
+
+    @route("/refresh-checkpoints", "POST")
+    async def refresh_checkpoints(request):
+        # the catalogue scans its folders on every listing; this one rescans now, as A1111's does
+        await anyio.to_thread.run_sync(services.catalogue.entries, "diffusion")
+        return None
+
+    @route("/sd-vae", "GET")
+    async def sd_vae(request):
+        return []                                    # A1111 lists only VAE files it found; a model's own VAE is used
+
+    @route("/loras", "GET")
+    async def loras(request):
+        return []
+
+    @route("/upscalers", "GET")
+    async def upscalers(request):
+        # A1111 always lists its "None" upscaler; Atelier has no other (hires fix is refused)
+        return [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]
+
+    @route("/cmd-flags", "GET")
+    async def cmd_flags(request):
+        s = services.settings
+        return {"api": True, "nowebui": False, "listen": s.host not in ("127.0.0.1", "localhost", "::1"),
+                "server_name": s.host, "port": s.port, "share": s.share,
+                "api_auth": "***" if s.auth else None, "gradio_auth": "***" if s.auth else None,   # never the password
+                "ckpt_dir": None, "data_dir": None, "device_id": s.device, "atelier_mode": s.mode}
 
     demo.atelier_a1111 = api
     return api
