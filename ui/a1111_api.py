@@ -365,10 +365,12 @@ class A1111Api:
                 name = _str(body, key, None, 4096)
                 e = find_model(self.services.catalogue, name)
                 if e is None:
-                    titles = ", ".join(repr(x.id) for x in self.services.catalogue.entries("diffusion")[:8]) or "none"
+                    cat = self.services.catalogue          # a public studio names no server folder in its errors
+                    titles = ", ".join(repr(model_name_of(x) if cat.public else x.id)
+                                       for x in cat.entries("diffusion")[:8]) or "none"
                     shown = name if len(name) <= 80 else name[:77] + "..."
                     raise ModelLoadError(f"model {shown!r} is not in /sdapi/v1/sd-models; name one by its title or "
-                                         f"model_name (titles: {titles})")
+                                         f"model_name (available: {titles})")
                 changes[key] = e.id
             elif key in OPTION_CHOICES:
                 if v not in OPTION_CHOICES[key] or isinstance(v, bool):
