@@ -264,3 +264,11 @@ def test_cmd_flags_in_a1111s_names(studio):
     flags, settings = r.json(), studio.atelier_runtime.services.settings
     assert flags["api"] is True and flags["listen"] is False and flags["share"] is False
     assert flags["port"] == settings.port and flags["server_name"] == "127.0.0.1" and flags["api_auth"] is None
+
+
+def test_options_on_a_public_studio_name_no_server_folder(tmp_path, sd):
+    with running_studio(tmp_path, models=(sd,), mode="public") as demo:
+        r = httpx.post(url(demo, "/options"), json={"sd_model_checkpoint": "no-such-model"}, timeout=60)
+        assert r.status_code == 404 and "'tiny-sd'" in r.json()["detail"]
+        assert str(sd.parent) not in r.json()["detail"]
+        assert httpx.post(url(demo, "/options"), json={"sd_model_checkpoint": "tiny-sd"}, timeout=60).status_code == 200
