@@ -7,7 +7,7 @@
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
-# Carry [".whl", ".device_shared"], with training_state/ moved aside (docs/gpu-runbook.md).
+# Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
 source "$(dirname "$0")/h200_env.sh"
 flags_of_best() {   # precision=fp16+channels_last=1+... of a workload's best
   python3 -c "

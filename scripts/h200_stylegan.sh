@@ -5,7 +5,7 @@
 #   b1      bench sg2-1024 + sg3t-1024 at batch 1
 #   tp      bench sg2-1024 throughput batches 32/64/128 (+ sg3t-1024 at 16)
 #   prof    kernel tables (torch.profiler) of the configurations named in PROF_CONFIGS
-# Carry [".whl", ".device_shared"], with training_state/ moved aside (docs/gpu-runbook.md).
+# Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
 source "$(dirname "$0")/h200_env.sh"
 B1_CONFIGS=${B1_CONFIGS:-baseline,fp32,tf32,fp16,bf16,bf16-cl,best,refops-bf16@precision=bf16+kernels=reference}
 TP_CONFIGS=${TP_CONFIGS:-baseline,bf16,bf16-cl,best}
