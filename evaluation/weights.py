@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from core.errors import ModelLoadError, OptionalDependencyError, UnsafeModelError
+from core.shapes import shape_difference
 
 ENV_VAR = "ATELIER_METRIC_WEIGHTS"
 
@@ -210,19 +211,11 @@ def match_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor], pa
     """Load `state` into `module` by name, strictly: every parameter and buffer present with the same shape."""
     own = module.state_dict()
     # BatchNorm's step counter is unused in eval and absent from files ported from TensorFlow
-    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
-    unexpected = [k for k in state if k not in own]
-    wrong = [f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in own.items()
-             if k in state and tuple(state[k].shape) != tuple(v.shape)]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
-        if wrong:
-            parts.append(f"{len(wrong)} of the wrong shape (e.g. {'; '.join(wrong[:2])})")
-        raise ModelLoadError(f"{path} does not match the {spec.what}: {', '.join(parts)} tensors. "
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    found.update({k: tuple(v.shape) for k, v in own.items() if k.endswith("num_batches_tracked") and k not in state})
+    diff = shape_difference({k: tuple(v.shape) for k, v in own.items()}, found)
+    if diff:
+        raise ModelLoadError(f"{path} does not match the {spec.what}: {diff}. "
                              f"Is this {spec.file_names[0]} from {spec.url}?")
     with torch.no_grad():
         for k, v in own.items():

@@ -2,12 +2,13 @@
 state-dict load whose error says what differs."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from core.errors import InputError, ModelLoadError
+from core.shapes import shape_difference  # noqa: F401  (re-exported for models/)
 
 
 def jsonable(value: Any) -> Any:
@@ -23,25 +24,6 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise InputError(f"constructor argument {value!r} of type {type(value).__name__} cannot be saved as JSON")
-
-
-def shape_difference(own: Mapping[str, tuple], found: Mapping[str, tuple]) -> str:
-    """'' when the two {name: shape} maps agree, else what differs (missing, unexpected, wrong shape)."""
-    missing = sorted(set(own) - set(found))
-    unexpected = sorted(set(found) - set(own))
-    wrong = sorted(k for k in set(own) & set(found) if tuple(own[k]) != tuple(found[k]))
-
-    def head(keys):
-        return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-
-    parts = []
-    if missing:
-        parts.append(f"missing {head(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {head(unexpected)}")
-    if wrong:
-        parts.append("wrong shape " + head([f"{k} {list(found[k])} vs {list(own[k])}" for k in wrong]))
-    return "; ".join(parts)
 
 
 def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
