@@ -559,8 +559,9 @@ def resolve_scheduler_name(name: str | None, schedule_type: str | None = None) -
 
 
 def make_scheduler(name: str, base_config: dict):
-    """A fresh scheduler (schedulers carry per-run state, so every request gets its own), configured from the
-    model's own scheduler config so its betas, timestep spacing and prediction type carry over."""
+    """A new scheduler, configured from the model's own scheduler config so its betas, timestep spacing and
+    prediction type carry over. The studio builds one per (task, scheduler) and reuses it: its per-run state is
+    reset by set_timesteps at the start of every diffusers call."""
     d = _diffusers()
     canon = resolve_scheduler_name(name)
     base = dict(base_config)
@@ -811,7 +812,7 @@ class DiffusionPipeline:
         return view
 
     def _task_pipeline(self, task: str, scheduler):
-        """A diffusers pipeline for `task` sharing the loaded modules, with this request's own scheduler."""
+        """A diffusers pipeline for `task` sharing the loaded modules, with its own scheduler (see `_view`)."""
         cls = _pipeline_class(self.family, task)
         accepted = inspect.signature(cls.__init__).parameters
         comps = {k: v for k, v in self.pipe.components.items() if k in accepted}
