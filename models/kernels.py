@@ -80,3 +80,32 @@ def describe(choice: dict[str, str]) -> str:
     if not choice:
         return "reference ops"
     return "/".join(f"{k}:{v}" for k, v in choice.items())
+
+
+# Training (`training/`): the ops must have gradients and second-order gradients (lazy R1 and path
+# length), so the inference-only Triton FIR is out; what the conv double backward costs decides.
+# Measured on the emoji64 trainer on an H200 (docs/training.md "Figures").
+_TRAIN_AUTO_CUDA = {"grad": "gradfix", "up": "subpixel-fused", "down": "fused-s2d", "fir": "separable"}
+
+
+def resolve_training(spec: str, device: torch.device | str, precision: str = "bf16",
+                     tf32: bool = True) -> tuple[dict[str, str], str]:
+    """(ops knob settings for a training run, a sentence saying what runs and why)."""
+    device = torch.device(device)
+    parsed = parse(spec)
+    if parsed == "reference":
+        return {}, "reference ops"
+    if parsed == "auto":
+        if device.type != "cuda":
+            return {}, f"reference ops (the training fast paths are measured on CUDA GPUs; here: {device.type})"
+        choice = dict(_TRAIN_AUTO_CUDA)
+        if precision == "fp32" and not tf32:
+            # Without tensor cores cuDNN runs the folded convs as FFTs (see resolve above).
+            choice.pop("up")
+            choice.pop("down")
+        return choice, describe(choice)
+    choice = dict(parsed)
+    if choice.get("fir") == "triton":
+        raise InputError("fir:triton is inference-only (no gradients); for training use fir:separable, "
+                         "fir:nc1 or fir:shifts")
+    return choice, describe(choice)

@@ -62,14 +62,18 @@ def main(argv: list[str] | None = None) -> int:
             ns = build_parser().parse_args(["--preset", "emoji64", "--out", args.out, *rest])
             cfg = config_from_args(ns)
             configs = args.bench_configs.split(",") if args.bench_configs else None
-            report = run_bench(cfg, seconds=args.bench, with_compile=args.bench_compile, configs=configs)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+
+            def write(report):
+                path = Path(args.out) / f"bench-{report['world_size']}gpu.json"
+                path.write_text(json.dumps(report, indent=1) + "\n")
+
+            report = run_bench(cfg, seconds=args.bench, with_compile=args.bench_compile, configs=configs,
+                               on_result=write)
             if os.environ.get("RANK", "0") != "0":
                 return 0
-            text = json.dumps(report, indent=1)
-            print(text)
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            suffix = f"-{report['world_size']}gpu"
-            (Path(args.out) / f"bench{suffix}.json").write_text(text + "\n")
+            print(json.dumps(report, indent=1))
+            write(report)
             return 0
         from training.cli import build_parser, config_from_args
         from training.trainer import train

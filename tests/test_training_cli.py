@@ -48,13 +48,16 @@ def test_bad_input_exits_2_with_a_message(tmp_path, capsys, argv, msg):
     assert msg in capsys.readouterr().err
 
 
-def test_emoji_preset_fits_the_checkpoint_budget():
+def test_emoji_preset_fits_the_shipping_budget():
+    """The bundled model is G_ema in fp16 under 16 MiB; checkpoint files are split below 15 MiB."""
+    from training.export import MAX_SHIPPED_BYTES
+
     cfg = finalize(build_config("emoji64"), 64)
     G, D = build_networks(cfg)
+    assert 2 * sum(t.numel() for t in G.state_dict().values()) < MAX_SHIPPED_BYTES - 2**20
     sizes = checkpoint_bytes(G, D)
-    assert sum(sizes.values()) <= 45 * 2**20
-    assert max(sizes.values()) <= 15 * 2**20
-    assert cfg.batch == 128 and cfg.g_kwargs["fused_modconv_default"] == "inference_only"
+    assert sum(sizes.values()) > 15 * 2**20          # large enough that the 15 MiB file split matters
+    assert cfg.g_kwargs["fused_modconv_default"] == "inference_only" and cfg.snapshot_ema
 
 
 def test_countermeasures_apply_in_order_and_survive_resume(tmp_path):

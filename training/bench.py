@@ -10,7 +10,12 @@ change at a time so each one's share is visible:
   gpu-data      + uint8 dataset resident on the GPU, GPU-side augmentation, no per-step host sync
   tf32          + TF32 matmuls/convolutions (still fp32 storage)
   bf16          bf16 autocast instead of TF32
-  channels-last + channels_last memory format (the default fast configuration)
+  channels-last + channels_last memory format
+  fast-ops      + the training op formulations (`kernels=auto`: convs differentiated by gradfix,
+                up/down convs folded with their FIR into dense convs, separable FIR blurs); the
+                default configuration
+  fast-ops-nc1  the same with the FIR blurs as 1-channel convs on an [N*C, 1, H, W] view
+  batch-x2/x4   fast-ops at 2x / 4x the batch (same learning rate)
   compile       + torch.compile of the main forward passes (only with with_compile)
 
 The training algorithm (losses, lazy R1/PL intervals, ADA, EMA) is identical in all
@@ -23,21 +28,29 @@ import copy
 import gc
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from training.config import TrainConfig
 from training.dataset import load_images
 
+REF = "reference"
 LADDER = {
-    "plain-fp32": dict(precision="fp32", tf32=False, channels_last=False, data_device="host-plain", _sync=True),
-    "gpu-data": dict(precision="fp32", tf32=False, channels_last=False, data_device="auto"),
-    "tf32": dict(precision="fp32", tf32=True, channels_last=False, data_device="auto"),
-    "bf16": dict(precision="bf16", channels_last=False, data_device="auto"),
-    "channels-last": dict(precision="bf16", channels_last=True, data_device="auto"),
-    "compile": dict(precision="bf16", channels_last=True, data_device="auto", compile=True),
+    "plain-fp32": dict(precision="fp32", tf32=False, channels_last=False, data_device="host-plain", kernels=REF,
+                       _sync=True),
+    "gpu-data": dict(precision="fp32", tf32=False, channels_last=False, data_device="auto", kernels=REF),
+    "tf32": dict(precision="fp32", tf32=True, channels_last=False, data_device="auto", kernels=REF),
+    "bf16": dict(precision="bf16", channels_last=False, data_device="auto", kernels=REF),
+    "channels-last": dict(precision="bf16", channels_last=True, data_device="auto", kernels=REF),
+    "fast-ops": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto"),
+    "fast-ops-nc1": dict(precision="bf16", channels_last=True, data_device="auto",
+                         kernels="grad:gradfix/up:subpixel-fused/down:fused-s2d/fir:nc1"),
+    "batch-x2": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", _batch_mult=2),
+    "batch-x4": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", _batch_mult=4),
+    "compile": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", compile=True),
 }
+OPTIONAL = ("compile",)    # only with with_compile (its first compilation takes minutes)
 
 
 def _measure(cfg: TrainConfig, data, seconds: float, warmup_seconds: float, sync: bool, log) -> dict[str, Any]:
@@ -87,12 +100,21 @@ def _measure(cfg: TrainConfig, data, seconds: float, warmup_seconds: float, sync
 
 
 def run_bench(cfg: TrainConfig, seconds: float = 30.0, with_compile: bool = False,
-              configs: list[str] | None = None, warmup_seconds: float = 8.0, log=print) -> dict[str, Any]:
-    """{config name: figures} plus speedups over plain-fp32; networks and data as in `cfg`."""
+              configs: list[str] | None = None, warmup_seconds: float = 8.0, log=print,
+              on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """{config name: figures} plus speedups over plain-fp32; networks and data as in `cfg`.
+
+    `on_result(report so far)` is called after each configuration (e.g. to write the file, so a
+    run stopped by a time limit keeps what it measured)."""
     from training import distributed as dist_utils
     from training.trainer import resolve_data_path
 
-    names = configs or [n for n in LADDER if n != "compile" or with_compile]
+    names = configs or [n for n in LADDER if n not in OPTIONAL or with_compile]
+    unknown = [n for n in names if n not in LADDER]
+    if unknown:
+        from core.errors import InputError
+
+        raise InputError(f"unknown bench configuration(s) {', '.join(unknown)}; known: {', '.join(LADDER)}")
     info = dist_utils.setup(cfg.device)
     images, dinfo = load_images(resolve_data_path(cfg.data), cfg.resolution,
                                 cache_dir=Path(".cache") / "atelier" / "datasets")
@@ -101,25 +123,48 @@ def run_bench(cfg: TrainConfig, seconds: float = 30.0, with_compile: bool = Fals
     for name in names:
         over = dict(LADDER[name])
         sync = over.pop("_sync", False)
+        mult = over.pop("_batch_mult", 1)
         c = copy.deepcopy(cfg)
+        if mult != 1:
+            c.batch = (cfg.batch or 0) * mult
         for k, v in over.items():
             setattr(c, k, v)
         c.progress = False
         c.monitor_kimg = 0.0
         c.minutes = None
         c.kimg = 1e9
-        r = _measure(c, (images, dinfo), seconds, warmup_seconds, sync, quiet)
+        try:
+            r = _measure(c, (images, dinfo), seconds, warmup_seconds, sync, quiet)
+        except Exception as exc:    # one failing configuration (e.g. a compile error) must not lose the rest
+            if info.enabled:
+                raise
+            r = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "img_s": 0.0, "peak_mem_gib": 0.0,
+                 "warmup_seconds": 0.0}
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        r["batch"] = c.batch
+        r["kernels"] = c.kernels
         results[name] = r
+        if on_result is not None and info.is_main:
+            on_result(_report(results, info, cfg, seconds))
         if info.is_main:
-            log(f"[bench] {name:14s} {r['img_s']:10,.0f} img/s  peak {r['peak_mem_gib']:.2f} GiB  "
+            log(f"[bench] {name:14s} {r['img_s']:10,.0f} img/s  batch {c.batch}  peak {r['peak_mem_gib']:.2f} GiB  "
                 f"(warm-up {r['warmup_seconds']:.0f} s)")
+    report = _report(results, info, cfg, seconds)
+    if info.enabled:
+        dist_utils.cleanup()
+    return report
+
+
+def _report(results: dict[str, Any], info, cfg: TrainConfig, seconds: float) -> dict[str, Any]:
     base = results.get("plain-fp32", {}).get("img_s")
     if base:
         for r in results.values():
+            if "error" in r:
+                continue
             r["speedup_vs_plain_fp32"] = round(r["img_s"] / base, 2)
     dev = info.device
-    if info.enabled:
-        dist_utils.cleanup()
     return {"configs": results, "world_size": info.world_size, "batch": cfg.batch or "preset",
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "torch": torch.__version__, "seconds_each": seconds}

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", dest="tf32", action="store_false", default=None)
     a("--no-channels-last", dest="channels_last", action="store_false", default=None)
     a("--compile", action="store_true", default=None, help="torch.compile the forward passes (slow first start)")
+    a("--kernels", default=None,
+      help="op formulations: auto (the measured fastest on CUDA: conv gradfix, folded up/down convs, separable "
+           "FIR; the reference on the CPU), reference, or knob:choice pairs joined by '/', e.g. "
+           "grad:gradfix/up:subpixel-fused/down:fused-s2d/fir:separable")
+    a("--snapshot-ema", action="store_true", default=None,
+      help="keep G_ema of every snapshot as fp16 safetensors in RUN/snapshots/ (for scripts/emoji_metrics.py)")
     a("--grad-checkpointing", action="store_true", default=None, help="trade compute for activation memory")
     a("--data-device", choices=("auto", "gpu", "host"), default=None)
     a("--no-dali", dest="dali", action="store_false", default=None)
@@ -80,7 +86,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
                  "aug_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device", "dali",
-                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress")
+                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema")
 
 
 def config_from_args(args: argparse.Namespace):

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 
 from core.errors import InputError
+from models import kernels as _kernels
+from models import ops
 from training import checkpoint as ckpt
 from training import distributed as dist_utils
 from training import losses
@@ -54,10 +56,12 @@ from training.monitor import CollapseMonitor
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
 RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
                       "progress", "device", "data", "dali", "data_device", "compile", "precision", "tf32",
-                      "channels_last", "grad_checkpointing", "auto_countermeasures")
+                      "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
+                      "snapshot_ema")
 
 LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
+SNAPSHOT_DIR = "snapshots"
 GRID_SEED = 0xE0E0
 
 
@@ -189,6 +193,10 @@ class Trainer:
         if self.amp_dtype is torch.float16 and self.device.type != "cuda":
             raise InputError("fp16 training needs a CUDA GPU; use --precision bf16 or fp32 on the CPU")
         self.channels_last = cfg.channels_last and self.device.type == "cuda"
+        # Which op formulations run (same numbers, different kernels; models/ops.py). Set for the
+        # duration of each iteration / render, so nothing leaks into other users of models.ops.
+        self.kernels, self.kernels_note = _kernels.resolve_training(cfg.kernels, self.device, cfg.precision,
+                                                                    cfg.tf32)
 
         # -- networks -----------------------------------------------------------------------------
         torch.manual_seed(_mix(cfg.seed, 0x6E7))     # same initial weights on every rank
@@ -453,6 +461,10 @@ class Trainer:
 
     def iteration(self) -> None:
         """One training iteration (d_steps D updates, one G update, EMA, ADA)."""
+        with ops.use_impl(**self.kernels):
+            self._iteration()
+
+    def _iteration(self) -> None:
         cfg = self.cfg
         # All randomness of this iteration derives from (seed, rank, step): exact resume.
         torch.manual_seed(_mix(cfg.seed, self.dist.rank, self.step))
@@ -483,9 +495,10 @@ class Trainer:
         g = torch.Generator().manual_seed(seed)
         z = torch.randn(n, self.G_ema.z_dim, generator=g).to(self.device)
         out = []
-        for i in range(0, n, batch):
-            zb = z[i:i + batch]
-            out.append(self.G_ema(zb, None, truncation_psi=psi, noise_mode="const").float())
+        with ops.use_impl(**self.kernels):
+            for i in range(0, n, batch):
+                zb = z[i:i + batch]
+                out.append(self.G_ema(zb, None, truncation_psi=psi, noise_mode="const").float())
         return torch.cat(out)
 
     def _run_monitor(self) -> dict:
@@ -605,8 +618,21 @@ class Trainer:
                                          {"opt_G": self.opt_G, "opt_D": self.opt_D}, self._state())
             if grid:
                 self.save_grid(folder / GRID_FILE)
+            if self.cfg.snapshot_ema:
+                self.save_ema_snapshot(folder)
         dist_utils.barrier(self.dist)
         return sizes
+
+    def save_ema_snapshot(self, folder: Path) -> Path:
+        """G_ema as fp16 safetensors + JSON in folder/snapshots/ (what the studio and the metrics load)."""
+        from models.stylegan import save_generator
+
+        kimg = self.cur_nimg / 1000
+        path = Path(folder) / SNAPSHOT_DIR / f"G_ema-{int(round(kimg)):06d}kimg.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return save_generator(self.G_ema, path, self.cfg.arch, dtype="fp16",
+                              metadata={"kimg": round(kimg, 3), "step": self.step, "preset": self.cfg.preset,
+                                        "train_seconds": round(self.train_seconds, 1)})
 
     def save_grid(self, path: Path, psi: float = 1.0) -> None:
         from PIL import Image
@@ -668,7 +694,8 @@ class Trainer:
                 f"{self.device.type if self.loader.where == 'gpu' else self.loader.where}); batch {cfg.batch} ({self.batch_gpu}/GPU x {self.dist.world_size}), "
                 f"lr G {cfg.lr_g:g} D {cfg.lr_d:g}, loss {cfg.loss}, D:G {self.runtime['d_steps']}:1, "
                 f"R1 gamma {cfg.r1_gamma_value():g}, EMA {cfg.ema_kimg_value():g} kimg, precision {cfg.precision}, "
-                f"channels_last {self.channels_last}, compile {cfg.compile}, aug {cfg.aug}/{cfg.aug_pipe}")
+                f"channels_last {self.channels_last}, compile {cfg.compile}, kernels {self.kernels_note}, "
+                f"aug {cfg.aug}/{cfg.aug_pipe}")
 
     def run(self) -> dict[str, Any]:
         """Train until `kimg` or the wall-clock budget; save; return a summary."""

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Issue 12's H200 runs: the trainer ladder, then the bundled emoji model trained in one sitting.
+#   bash scripts/h200_train.sh PART...
+#   bench        the throughput ladder (training/bench.py) on the emoji64 network -> $OUT/bench-1gpu.json
+#   start        pick the fastest measured configuration and start training in the background
+#                (setsid: it outlives this call while the machine stays held); TRAIN_MINUTES budget
+#   wait         follow the run for WAIT_SECONDS (default 540), then copy its latest grid, log and
+#                newest G_ema snapshot to $OUT
+#   tests        the trainer's GPU tests (log under $OUT), run beside the training
+#   finish       wait for the run to end (STOP_NOW=1: SIGTERM it first), export G_ema (fp16) + grid + model card, the emoji metric
+#                over every snapshot, a samples-vs-kimg strip; small files packed in $OUT/small.tgz
+# Carry [".whl"] (the wheels are not needed by training, but h200_env.sh installs what is there).
+source "$(dirname "$0")/h200_env.sh"
+RUN=${RUN:-runs/emoji64}
+mkdir -p "$RUN"
+running() { [ -f "$RUN.pid" ] && kill -0 "$(cat "$RUN.pid")" 2>/dev/null; }
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    bench)
+      timeout ${BENCH_TIMEOUT:-420} python3 scripts/train_default_model.py --bench ${BENCH_SECONDS:-10} --bench-compile \
+        --bench-configs ${BENCH_CONFIGS:-plain-fp32,gpu-data,tf32,bf16,channels-last,fast-ops,fast-ops-nc1,batch-x2,batch-x4,compile} \
+        --out "$RUN-bench" --no-progress 2>&1 | grep -E "^\[bench\]|Error|error" ;
+      cp "$RUN-bench/bench-1gpu.json" "$OUT/" ;;
+    start)
+      python3 - "$RUN-bench/bench-1gpu.json" > "$RUN.choice" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))["configs"]
+except (OSError, KeyError, ValueError):
+    r = {}
+ok = {n: v for n, v in r.items() if "error" not in v and v.get("img_s", 0) > 0}
+kern = "auto"
+if "fast-ops-nc1" in ok and ok["fast-ops-nc1"]["img_s"] > ok.get("fast-ops", {}).get("img_s", 0) * 1.05:
+    kern = ok["fast-ops-nc1"]["kernels"]
+batch, best = 128, ok.get("fast-ops", {}).get("img_s", 0)
+for name, b in (("batch-x2", 256), ("batch-x4", 512)):
+    if name in ok and ok[name]["img_s"] >= 1.15 * best:
+        batch, best = b, ok[name]["img_s"]
+comp = "compile" in ok and ok["compile"]["img_s"] >= 1.2 * ok.get("fast-ops", {}).get("img_s", 1e9)
+print(f"--batch {batch} --kernels {kern}" + (" --compile" if comp else ""))
+EOF
+      echo "chosen: $(cat "$RUN.choice")"; cp "$RUN.choice" "$OUT/choice.txt"
+      setsid nohup python3 scripts/train_default_model.py --out "$RUN" --minutes ${TRAIN_MINUTES:-16} --no-progress \
+        $(cat "$RUN.choice") ${TRAIN_ARGS:-} > "$RUN.log" 2>&1 < /dev/null &
+      echo $! > "$RUN.pid"; sleep 45; tail -5 "$RUN.log" ;;
+    wait)
+      t_end=$(( $(date +%s) + ${WAIT_SECONDS:-540} ))
+      while running && [ "$(date +%s)" -lt "$t_end" ]; do sleep 20; done
+      grep -E "^\[train\] kimg" "$RUN.log" | awk 'NR % 10 == 1' | tail -12; tail -3 "$RUN.log"
+      cp "$RUN/samples.png" "$OUT/" 2>/dev/null; cp "$RUN/log.jsonl" "$OUT/" 2>/dev/null
+      last=$(ls "$RUN"/snapshots/*.safetensors 2>/dev/null | tail -1)
+      [ -n "$last" ] && cp "$last" "${last%.safetensors}.json" "$OUT/" ;;
+    tests)
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_training_gpu.py \
+        tests/test_ops_variants.py 2>&1 | tee "$OUT/gpu-tests-training.log" | grep -E "passed|failed|FAILED|Error" ;;
+    finish)
+      # STOP_NOW=1: end the run now (SIGTERM: it stops at its next log point with a checkpoint)
+      [ "${STOP_NOW:-0}" = 1 ] && running && kill -TERM "$(cat "$RUN.pid")"
+      while running; do sleep 5; done
+      tail -4 "$RUN.log"
+      python3 scripts/train_default_model.py --export "$RUN" --to "$OUT/emoji64" --grid "$OUT/emoji64_grid.png"
+      mkdir -p "$OUT/m"
+      if [ -f scripts/emoji_metrics.py ]; then
+        timeout ${METRIC_TIMEOUT:-150} python3 scripts/emoji_metrics.py --snapshots "$RUN/snapshots" --device cuda \
+          --out "$OUT/m/metrics.json" --plot "$OUT/m/metrics.png" 2>&1 | tail -15
+      fi
+      python3 scripts/snapshot_strip.py "$RUN/snapshots" "$OUT/m/strip.png" 2>&1 | tail -2
+      cp "$RUN/log.jsonl" "$RUN/samples.png" "$RUN.log" "$RUN.choice" "$OUT/m/" 2>/dev/null
+      cp "$RUN/state.json" "$OUT/m/" 2>/dev/null
+      cp "$RUN"/snapshots/*.json "$OUT/m/" 2>/dev/null
+      # SNAP_BACK=N: also bring back N evenly spaced snapshots (11 MiB each; at most 4 fit the 8 files)
+      if [ "${SNAP_BACK:-0}" -gt 0 ]; then
+        ls "$RUN"/snapshots/*.safetensors | python3 -c "import sys; f=sys.stdin.read().split(); n=min(int(sys.argv[1]), len(f)); print(*sorted({f[round(i*(len(f)-1)/max(n-1,1))] for i in range(n)}))" "$SNAP_BACK" \
+          | xargs -r cp -t "$OUT/"
+      fi
+      mv "$OUT/emoji64.json" "$OUT/emoji64.md" "$OUT/m/" 2>/dev/null
+      tar -czf "$OUT/small.tgz" -C "$OUT" m && rm -rf "$OUT/m"; ls -la "$OUT" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
