@@ -233,11 +233,20 @@ def _tiny_snapshots(folder: Path) -> None:
         save_generator(G, folder / f"G_ema-{kimg:06d}kimg", "stylegan2", metadata={"kimg": kimg})
 
 
-def test_snapshot_script_end_to_end(tmp_path):
+@pytest.fixture
+def small_data(tmp_path, images, subset) -> Path:
+    """300 dataset images as a plain .npy: the script reads any uint8 NHWC array, and fewer reals keep it fast."""
+    path = tmp_path / "small.npy"
+    np.save(path, images[subset[:300]])
+    return path
+
+
+def test_snapshot_script_end_to_end(tmp_path, small_data):
     snaps = tmp_path / "snaps"
     _tiny_snapshots(snaps)
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     rc = emoji_metrics.main(["--snapshots", str(snaps), "--n", "40", "--batch", "16", "--device", "cpu",
+                             "--data", str(small_data),
                              "--out", str(out), "--plot", str(png), "--no-progress"])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -245,7 +254,7 @@ def test_snapshot_script_end_to_end(tmp_path):
     for r in doc["snapshots"]:
         assert r["fd"] > 0 and 0 <= r["precision"] <= 1 and 0 <= r["recall"] <= 1 and len(r["sha256"]) == 64
     floor = doc["reference_floor"]
-    assert floor["images_per_side"] == [1958, 1958] and floor["fd"] > 0 and floor["precision"] > 0.5
+    assert floor["images_per_side"] == [150, 150] and floor["fd"] > 0 and floor["precision"] > 0.5
     assert doc["n"] == 40 and doc["k"] == 3 and doc["classifier"]["feature_dim"] == 192
     try:
         import matplotlib  # noqa: F401
@@ -255,11 +264,11 @@ def test_snapshot_script_end_to_end(tmp_path):
         assert doc["plot"] == str(png) and png.stat().st_size > 1000
 
 
-def test_snapshot_script_same_latents_give_same_numbers(tmp_path):
+def test_snapshot_script_same_latents_give_same_numbers(tmp_path, small_data):
     snaps = tmp_path / "snaps"
     _tiny_snapshots(snaps)
     args = ["--snapshots", str(snaps / "G_ema-000040kimg.safetensors"), "--n", "20", "--batch", "10",
-            "--device", "cpu", "--no-progress"]
+            "--device", "cpu", "--no-progress", "--data", str(small_data)]
     assert emoji_metrics.main(args + ["--out", str(tmp_path / "a.json")]) == 0
     assert emoji_metrics.main(args + ["--out", str(tmp_path / "b.json")]) == 0
     a, b = (json.loads((tmp_path / f).read_text())["snapshots"][0] for f in ("a.json", "b.json"))
