@@ -1,0 +1,230 @@
+"""Score StyleGAN snapshots of the emoji generator: Fréchet distance and precision/recall (k = 3)
+in the emoji classifier's features, per snapshot, against kimg.
+
+    python scripts/emoji_metrics.py --snapshots runs/emoji64/snapshots [--n 10000] [--device auto]
+                                    [--out metrics.json] [--plot metrics.png]
+    python scripts/emoji_metrics.py --generator assets/models/emoji64.safetensors --truncation 0.7
+
+--snapshots takes a folder (every G_ema-*.safetensors in it), a glob or files;
+each is loaded with models.stylegan.load_generator, its kimg read from the name
+("G_ema-000200kimg") or the JSON's metadata. Every snapshot sees the same latents
+(--seed; the same --batch too, as the latents are drawn batch by batch), so the
+numbers are comparable along a run. The dataset's features are computed once.
+
+The JSON also has the dataset against itself, split at random into two halves:
+the floor a perfect generator would reach (with half as many images per side;
+FD grows as samples shrink, so the floor is a slight overestimate of FD's, and a
+fair one for precision/recall). The plot (matplotlib, optional) draws both.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from core.device import pick_device  # noqa: E402
+from core.errors import AtelierError, InputError  # noqa: E402
+from evaluation.emoji_metric import (DEFAULT_DATA, DEFAULT_WEIGHTS, features, frechet_distance,  # noqa: E402
+                                     load_classifier, load_emoji_dataset, precision_recall, quantize)
+
+KIMG_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)kimg")
+
+
+def find_snapshots(specs: list[str]) -> list[Path]:
+    found: list[Path] = []
+    for spec in specs:
+        p = Path(spec).expanduser()
+        if p.is_dir():
+            hits = sorted(p.glob("G_ema-*.safetensors")) or sorted(p.glob("*.safetensors"))
+            if not hits:
+                raise InputError(f"{p} has no G_ema-*.safetensors snapshots (models.stylegan.save_generator writes them)")
+            found += hits
+        elif p.is_file():
+            found.append(p)
+        else:
+            hits = sorted(Path(h) for h in glob.glob(str(p)) if h.endswith((".safetensors", ".json", ".pkl", ".pt")))
+            hits = [h for h in hits if not (h.suffix == ".json" and h.with_suffix(".safetensors").is_file())]
+            if not hits:
+                raise InputError(f"no snapshot matches {spec!r}; give a folder, a glob or .safetensors files")
+            found += hits
+    return list(dict.fromkeys(found))
+
+
+def snapshot_kimg(path: Path, metadata: dict) -> float | None:
+    for value in (metadata.get("kimg"), (metadata.get("training") or {}).get("kimg")):
+        if isinstance(value, (int, float)):
+            return float(value)
+    m = KIMG_IN_NAME.search(path.name)
+    return float(m.group(1)) if m else None
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="img", file=sys.stderr, disable=not enabled, leave=False)
+
+
+@torch.no_grad()
+def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, truncation: float, seed: int,
+                       device: torch.device, desc: str = "", progress: bool = True) -> np.ndarray:
+    if int(getattr(G, "c_dim", 0)) > 0:
+        raise InputError("this generator is class-conditional; the emoji metric scores unconditional generators")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bar = _bar(n, desc, progress)
+    out = []
+    for i in range(0, n, batch):
+        b = min(batch, n - i)
+        z = torch.randn([b, G.z_dim], generator=gen, device=device)
+        img = G(z, None, truncation_psi=truncation, noise_mode="const")
+        out.append(features(quantize(img), classifier, batch=batch))
+        if bar is not None:
+            bar.update(b)
+    if bar is not None:
+        bar.close()
+    return np.concatenate(out)
+
+
+def reference_floor(real: np.ndarray, k: int, seed: int, device) -> dict:
+    perm = np.random.default_rng(seed).permutation(len(real))
+    a, b = real[perm[: len(real) // 2]], real[perm[len(real) // 2:]]
+    return {"what": "the dataset against itself: two random halves", "images_per_side": [len(a), len(b)],
+            "fd": frechet_distance(a, b), **precision_recall(a, b, k=k, device=device)}
+
+
+def plot(result: dict, path: Path) -> str:
+    """Write the plot; returns '' or why it was not drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed, so no plot was drawn (pip install matplotlib; the JSON has the numbers)"
+    rows = [r for r in result["snapshots"] if r.get("kimg") is not None]
+    if not rows:
+        return "no snapshot has a kimg (in its name or metadata), so there is nothing to plot against"
+    rows.sort(key=lambda r: r["kimg"])
+    kimg = [r["kimg"] for r in rows]
+    floor = result["reference_floor"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), constrained_layout=True)
+    for ax, key, title in zip(axes, ("fd", "precision", "recall"),
+                              ("Fréchet distance (emoji classifier)", "precision (k=3)", "recall (k=3)")):
+        ax.plot(kimg, [r[key] for r in rows], marker="o", ms=3)
+        ax.axhline(floor[key], ls="--", c="gray", lw=1, label="dataset vs itself (halves)")
+        ax.set_xlabel("kimg")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if key != "fd":
+            ax.set_ylim(0, 1.02)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{result['n']} samples per snapshot, truncation {result['truncation']:g}, seed {result['seed']}",
+                 fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run(args) -> dict:
+    from models.stylegan import load_generator
+
+    device = pick_device(None if args.device == "auto" else args.device)
+    if args.n < 2 or args.batch < 1:
+        raise InputError(f"--n must be at least 2 and --batch at least 1; got {args.n} and {args.batch}")
+    paths = find_snapshots(args.snapshots or []) + [Path(p) for p in (args.generator or [])]
+    if not paths:
+        raise InputError("nothing to score: give --snapshots DIR_OR_GLOB or --generator FILE")
+    classifier = load_classifier(args.classifier, device=device)
+    real_images = load_emoji_dataset(args.data)
+    t0 = time.time()
+    real = features(real_images, classifier, batch=args.batch)
+    result = {
+        "metric": "emoji classifier features: Fréchet distance, improved precision/recall (Kynkäänniemi et al. 2019)",
+        "classifier": {"path": str(args.classifier), "sha256": classifier.sha256, "feature_dim": int(real.shape[1])},
+        "data": {"path": str(args.data), "images": int(len(real_images)), "sha256": _sha256(Path(args.data))},
+        "n": args.n, "k": args.k, "truncation": args.truncation, "seed": args.seed, "batch": args.batch,
+        "device": str(device),
+        "reference_floor": reference_floor(real, args.k, args.seed, device),
+        "snapshots": [],
+    }
+    print(f"real features: {len(real)} images in {time.time() - t0:.1f} s; floor (halves): "
+          f"FD {result['reference_floor']['fd']:.3f}, precision {result['reference_floor']['precision']:.3f}, "
+          f"recall {result['reference_floor']['recall']:.3f}", file=sys.stderr)
+    for path in paths:
+        t = time.time()
+        loaded = load_generator(path, device)
+        kimg = snapshot_kimg(path, loaded.config.get("metadata") or {})
+        fake = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed, device,
+                                  desc=path.stem, progress=not args.no_progress)
+        row = {"file": str(path), "kimg": kimg, "sha256": loaded.sha256, "fd": frechet_distance(real, fake),
+               **precision_recall(real, fake, k=args.k, device=device), "seconds": round(time.time() - t, 2)}
+        result["snapshots"].append(row)
+        del loaded
+        print(f"{path.name}: kimg {kimg if kimg is not None else '?'}  FD {row['fd']:.3f}  precision "
+              f"{row['precision']:.3f}  recall {row['recall']:.3f}  ({row['seconds']:.1f} s)", file=sys.stderr)
+        if args.out:
+            _write(result, args.out)            # after each snapshot, so a long run keeps what it has
+    result["snapshots"].sort(key=lambda r: (r["kimg"] is None, r["kimg"] or 0))
+    if args.out:
+        _write(result, args.out)
+    if args.plot:
+        why = plot(result, args.plot)
+        result["plot"] = None if why else str(args.plot)
+        if why:
+            print(f"note: {why}", file=sys.stderr)
+        if args.out:
+            _write(result, args.out)
+    return result
+
+
+def _write(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--snapshots", nargs="+", help="a folder of G_ema-*.safetensors, a glob, or files")
+    ap.add_argument("--generator", nargs="+", help="one or more model files to score (kimg from metadata if any)")
+    ap.add_argument("--classifier", type=Path, default=DEFAULT_WEIGHTS)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--n", type=int, default=10_000, help="generated samples per snapshot")
+    ap.add_argument("--k", type=int, default=3, help="k of the k-NN balls for precision/recall")
+    ap.add_argument("--truncation", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="latents (the same for every snapshot) and the floor's split")
+    ap.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
+    ap.add_argument("--batch", type=int, default=500)
+    ap.add_argument("--out", type=Path, default=Path("metrics.json"))
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of FD, precision and recall against kimg")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        run(args)
+    except AtelierError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"-> {args.out}" + (f", {args.plot}" if args.plot and args.plot.is_file() else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
