@@ -1,6 +1,6 @@
 """Train the emoji metric's classifier on the CPU, deterministically, and write the shipped weights.
 
-    python scripts/train_emoji_classifier.py [--epochs 40] [--holdout 0.15] [--seed 0] [--threads 2]
+    python scripts/train_emoji_classifier.py [--epochs 15] [--holdout 0.15] [--seed 0] [--threads 2]
                                              [--out assets/metrics/emoji_classifier.safetensors]
 
 Two runs with one recipe: first on a split that holds out --holdout of the glyph
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--labels", type=Path, default=DEFAULT_LABELS)
     ap.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS)
-    ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--holdout", type=float, default=0.15, help="fraction of glyph families held out in the split run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
