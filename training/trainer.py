@@ -55,7 +55,7 @@ from training.monitor import CollapseMonitor
 
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
 RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
-                      "progress", "device", "data", "dali", "data_device", "compile", "precision", "tf32",
+                      "progress", "device", "data", "data_device", "compile", "precision", "tf32",
                       "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
                       "snapshot_ema")
 
@@ -171,8 +171,8 @@ class Trainer:
 
         # -- data -------------------------------------------------------------------------------
         if data is None:
-            images, info = load_images(resolve_data_path(cfg.data), cfg.resolution, cache_dir=Path(".cache") / "atelier" / "datasets",
-                                       use_dali=cfg.dali, device_id=self.device.index or 0)
+            images, info = load_images(resolve_data_path(cfg.data), cfg.resolution,
+                                       cache_dir=Path(".cache") / "atelier" / "datasets")
         else:
             images, info = data
         self.data_info = info
