@@ -245,7 +245,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.aug_pipe in AUG_PIPES, f"--aug-pipe must be one of {', '.join(AUG_PIPES)}; got {cfg.aug_pipe!r}")
     from models import kernels as _kernels
 
-    _kernels.parse(cfg.kernels)     # InputError naming the knobs when malformed
+    _kernels.check_training(cfg.kernels)     # InputError naming the knobs when malformed; no fir:triton
     need(cfg.data_device in ("auto", "gpu", "host", "host-plain"),
          f"data_device must be auto, gpu or host; got {cfg.data_device!r}")
     need(cfg.arch in ("stylegan2", "stylegan3"), f"arch must be stylegan2 or stylegan3; got {cfg.arch!r}")
