@@ -92,7 +92,7 @@ def resolve_training(spec: str, device: torch.device | str, precision: str = "bf
                      tf32: bool = True) -> tuple[dict[str, str], str]:
     """(ops knob settings for a training run, a sentence saying what runs and why)."""
     device = torch.device(device)
-    parsed = parse(spec)
+    parsed = check_training(spec)
     if parsed == "reference":
         return {}, "reference ops"
     if parsed == "auto":
@@ -104,8 +104,13 @@ def resolve_training(spec: str, device: torch.device | str, precision: str = "bf
             choice.pop("up")
             choice.pop("down")
         return choice, describe(choice)
-    choice = dict(parsed)
-    if choice.get("fir") == "triton":
+    return dict(parsed), describe(parsed)
+
+
+def check_training(spec: str) -> dict[str, str] | str:
+    """parse(spec), refusing what cannot train on any device (InputError); what a config validates."""
+    parsed = parse(spec)
+    if isinstance(parsed, dict) and parsed.get("fir") == "triton":
         raise InputError("fir:triton is inference-only (no gradients); for training use fir:separable, "
                          "fir:nc1 or fir:shifts")
-    return choice, describe(choice)
+    return parsed

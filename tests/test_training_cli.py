@@ -124,3 +124,18 @@ def test_export_any_size_for_users_and_a_budget_for_bundled_models(tmp_path, cap
     with pytest.raises(InputError, match="budget for bundled models"):
         export_run(run, tmp_path / "bundled" / "tiny", max_bytes=1024)
     assert not (tmp_path / "bundled" / "tiny.safetensors").exists()
+
+
+def test_dali_setting_of_old_runs_and_scripts_is_accepted_and_has_no_effect(tmp_path, capsys):
+    """DALI decoding was removed; old state.json files say `"dali": true` and old scripts pass --no-dali."""
+    from training.config import TrainConfig
+
+    saved = {**TrainConfig().to_dict(), "dali": True}
+    assert "dali" not in TrainConfig.from_dict(saved).to_dict()
+    assert "dali" not in build_config("tiny", 16, dali=False).to_dict()
+    data = _data(tmp_path)
+    rc = cli.main(["--config", "tiny", "--data", str(data), "--out", str(tmp_path / "o"), "--device", "cpu",
+                   "--no-dali", "--batch", "7"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "multiple of the minibatch" in err        # parsed as far as the real check
+    assert "--no-dali has no effect" in err

@@ -56,6 +56,83 @@ def test_folder_and_zip_decode_crop_resize_and_cache(tmp_path):
     assert np.array_equal(arr, _imgs(3, 16)) and info.resolution == 16
 
 
+def _transparent_pngs(folder):
+    """PNGs of every transparency kind and awkward sizes, each with its true RGBA pixels.
+
+    Random content, so a crop off by one pixel, another resampling filter or another
+    background colour changes many pixels by far more than the tolerance."""
+    rng = np.random.default_rng(7)
+    cases = {}
+
+    def rgba(w, h):
+        return rng.integers(0, 256, size=(h, w, 4), dtype=np.uint8)
+
+    x = rgba(45, 32)                                  # wider than tall, odd crop offset (6)
+    x[:4, :, 3] = 0                                   # fully transparent rows, fully opaque rows
+    x[-4:, :, 3] = 255
+    Image.fromarray(x, "RGBA").save(folder / "rgba.png")
+    cases["rgba.png"] = x
+
+    la = rgba(30, 51)                                 # taller than wide, odd difference (offset 10)
+    Image.fromarray(la[..., [0, 3]], "LA").save(folder / "la.png")
+    la[..., 1] = la[..., 2] = la[..., 0]
+    cases["la.png"] = la
+
+    palette = np.array([[200, 30, 40], [10, 220, 60], [0, 0, 250], [250, 250, 0]], np.uint8)
+    alpha = np.array([0, 128, 255, 60], np.uint8)
+    idx = rng.integers(0, 4, size=(41, 37), dtype=np.uint8)
+    p = Image.fromarray(idx, "P")
+    p.putpalette(palette.flatten().tolist())
+    p.save(folder / "palette.png", transparency=alpha.tobytes())      # tRNS per palette entry
+    cases["palette.png"] = np.concatenate([palette[idx], alpha[idx][..., None]], axis=2)
+
+    rgb = rgba(24, 40)
+    rgb[..., 3] = 255
+    rgb[::3, ::2, :3] = (1, 2, 3)                     # the colour key: transparent
+    rgb[::3, ::2, 3] = 0
+    Image.fromarray(rgb[..., :3], "RGB").save(folder / "rgb_key.png", transparency=(1, 2, 3))
+    cases["rgb_key.png"] = rgb
+
+    opaque = rgba(16, 20)                             # crop only: already 16 wide, no resize
+    opaque[..., 3] = 255
+    Image.fromarray(opaque[..., :3], "RGB").save(folder / "opaque.png")
+    cases["opaque.png"] = opaque
+    return cases
+
+
+def _expected(rgba: np.ndarray, res: int) -> np.ndarray:
+    """The documented preprocessing computed independently: float alpha blend on white, numpy crop."""
+    a = rgba[..., 3:].astype(np.float64) / 255
+    rgb = np.round(rgba[..., :3] * a + 255 * (1 - a)).astype(np.uint8)
+    h, w = rgb.shape[:2]
+    s = min(h, w)
+    top, left = (h - s) // 2, (w - s) // 2
+    rgb = rgb[top:top + s, left:left + s]
+    if s == res:
+        return rgb
+    return np.asarray(Image.fromarray(rgb).resize((res, res), Image.LANCZOS))
+
+
+def test_folder_preprocessing_composites_on_white_centre_crops_and_resizes(tmp_path):
+    """What docs/training.md promises for a folder: composite on white, centre crop, LANCZOS.
+
+    Tolerance: Pillow composites in integer arithmetic (each channel within 1 of the float
+    blend), and LANCZOS can amplify that by its negative lobes: at most 2 levels anywhere,
+    under 0.5 on average; a wrong crop, filter or background is off by tens of levels."""
+    folder = tmp_path / "pngs"
+    folder.mkdir()
+    cases = _transparent_pngs(folder)
+    arr, info = load_images(folder, resolution=16)
+    assert info.decoder == "pillow" and arr.shape == (len(cases), 16, 16, 3)
+    for i, name in enumerate(sorted(cases)):                  # folders load in sorted name order
+        got = np.asarray(arr[i]).astype(int)
+        want = _expected(cases[name], 16).astype(int)
+        diff = np.abs(got - want)
+        assert diff.max() <= 2 and diff.mean() < 0.5, (name, int(diff.max()), float(diff.mean()))
+    opaque = sorted(cases).index("opaque.png")
+    assert np.array_equal(arr[opaque], _expected(cases["opaque.png"], 16))   # no blend, no resize: exact
+
+
 @pytest.mark.parametrize("make, msg", [
     (lambda p: p / "missing", "not found"),
     (lambda p: (np.save(p / "f.npy", np.zeros((2, 16, 16, 3), np.float32)), p / "f.npy")[1], "uint8"),

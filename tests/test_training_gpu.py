@@ -59,3 +59,26 @@ def test_inner_loop_never_waits_for_the_gpu(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(tr.stats).all()
+
+
+def test_tf32_and_cudnn_benchmark_hold_inside_iterations_only(tmp_path):
+    """Issue 13: the trainer's TF32 / cuDNN autotuning switches are not left set for the process."""
+    b = torch.backends
+
+    def switches():
+        return b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark
+
+    saved = switches()
+    b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark = False, False, False
+    try:
+        cfg = build_config("emoji64", data=_data(tmp_path), out=str(tmp_path / "t"), kimg=0.064, batch=32,
+                           precision="fp32", tf32=True, progress=False, log_every=1)
+        tr = Trainer(cfg, log=lambda s: None)
+        assert switches() == (False, False, False)          # building the trainer changes nothing
+        seen = []
+        tr.G.synthesis.register_forward_pre_hook(lambda m, args: seen.append(switches()))
+        tr.run()
+        assert seen and set(seen) == {(True, True, True)}
+        assert switches() == (False, False, False)
+    finally:
+        b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark = saved

@@ -148,7 +148,9 @@ def run_bench(cfg: TrainConfig, seconds: float = 30.0, with_compile: bool = Fals
         results[name] = r
         if on_result is not None and info.is_main:
             on_result(_report(results, info, cfg, seconds))
-        if info.is_main:
+        if info.is_main and "error" in r:
+            log(f"[bench] {name:14s} failed: {r['error']}")
+        elif info.is_main:
             log(f"[bench] {name:14s} {r['img_s']:10,.0f} img/s  batch {c.batch}  peak {r['peak_mem_gib']:.2f} GiB  "
                 f"(warm-up {r['warmup_seconds']:.0f} s)")
     report = _report(results, info, cfg, seconds)

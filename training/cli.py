@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="keep G_ema of every snapshot as fp16 safetensors in RUN/snapshots/ (for scripts/emoji_metrics.py)")
     a("--grad-checkpointing", action="store_true", default=None, help="trade compute for activation memory")
     a("--data-device", choices=("auto", "gpu", "host"), default=None)
-    a("--no-dali", dest="dali", action="store_false", default=None)
+    a("--no-dali", dest="dali", action="store_true",
+      help="no effect (DALI decoding was removed; kept so old command lines still run)")
     a("--device", default=None, help="cuda, cuda:N or cpu (default: best available; per rank under torchrun)")
     a("--log-every", type=int, default=None, help="iterations between log lines")
     a("--snapshot-kimg", type=float, default=None)
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimizer", "batch", "lr_g", "lr_d",
                  "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
                  "aug_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
-                 "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device", "dali",
+                 "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema")
 
 
@@ -98,6 +99,9 @@ def config_from_args(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     args = build_parser().parse_args(argv)
+    if args.dali:
+        print("note: --no-dali has no effect any more: image folders are decoded once with Pillow and cached",
+              file=sys.stderr)
     try:
         if args.export:
             from training.export import export_run

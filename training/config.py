@@ -22,6 +22,10 @@ OPTIMIZERS = ("stylegan2", "wgan-gp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUG_MODES = ("ada", "fixed", "none")
 AUG_PIPES = ("blit", "geom", "color", "bg", "bgc", "bgcc")
+# Settings that once existed and no longer do anything. Accepted (and dropped) so old checkpoints'
+# state.json and old scripts still load: `dali` chose NVIDIA DALI for decoding image folders, which
+# was removed (folders are decoded once with Pillow and cached; see training/dataset.py).
+LEGACY_SETTINGS = ("dali",)
 
 
 @dataclass
@@ -88,7 +92,6 @@ class TrainConfig:
     kernels: str = "auto"                   # op formulations (models.ops knobs): auto | reference | knob:choice/...
     grad_checkpointing: bool = False        # recompute activations in backward (memory for speed)
     data_device: str = "auto"               # auto | gpu | host: where the uint8 dataset lives
-    dali: bool = True                       # decode image folders with NVIDIA DALI when installed
     device: str | None = None               # None = cuda when available (per-rank under torchrun)
 
     # -- outputs -------------------------------------------------------------------------------------
@@ -104,6 +107,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = {k: v for k, v in d.items() if k not in LEGACY_SETTINGS}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -155,7 +159,7 @@ def build_config(preset: str = "stylegan2", resolution: int = 0, **overrides: An
     """A complete config: the preset at `resolution`, then `overrides` (None values are ignored)."""
     if preset not in PRESETS:
         raise InputError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
+    overrides = {k: v for k, v in overrides.items() if v is not None and k not in LEGACY_SETTINGS}
     if preset == "emoji64":
         resolution = resolution or 64
     if resolution and (resolution < 8 or resolution & (resolution - 1)):
@@ -241,7 +245,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.aug_pipe in AUG_PIPES, f"--aug-pipe must be one of {', '.join(AUG_PIPES)}; got {cfg.aug_pipe!r}")
     from models import kernels as _kernels
 
-    _kernels.parse(cfg.kernels)     # InputError naming the knobs when malformed
+    _kernels.check_training(cfg.kernels)     # InputError naming the knobs when malformed; no fir:triton
     need(cfg.data_device in ("auto", "gpu", "host", "host-plain"),
          f"data_device must be auto, gpu or host; got {cfg.data_device!r}")
     need(cfg.arch in ("stylegan2", "stylegan3"), f"arch must be stylegan2 or stylegan3; got {cfg.arch!r}")

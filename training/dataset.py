@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.errors import InputError, OptionalDependencyError
+from core.errors import InputError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 ARRAY_SUFFIXES = (".npy", ".npz", ".xz")
@@ -40,7 +40,7 @@ class DatasetInfo:
     count: int
     resolution: int
     channels: int
-    decoder: str                 # pillow | dali | array | cache
+    decoder: str                 # pillow | array | cache
     cache_file: str | None = None
 
 
@@ -49,10 +49,16 @@ class DatasetInfo:
 
 
 def _to_square_rgb(img, resolution: int):
-    """Centre-crop to a square, composite transparency on white, resize with LANCZOS."""
+    """The one preprocessing of decoded images (docs/training.md "Data"), in this order:
+
+    1. transparency composited on white: an alpha channel (RGBA, LA, PA) or a tRNS entry
+       (palette, grey or RGB PNGs), as a browser shows the image on a white page;
+    2. centre crop to a square of the shorter side (offsets rounded down);
+    3. LANCZOS resize to `resolution` (skipped when the crop already has that size).
+    """
     from PIL import Image
 
-    if img.mode in ("RGBA", "LA", "P"):
+    if img.has_transparency_data:
         img = img.convert("RGBA")
         bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(bg, img)
@@ -70,12 +76,6 @@ def _list_folder(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
-def _first_size(open_first) -> int:
-    img = open_first()
-    w, h = img.size
-    return min(w, h)
-
-
 def _decode_pillow(names: list[str], opener, resolution: int) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
@@ -88,36 +88,6 @@ def _decode_pillow(names: list[str], opener, resolution: int) -> np.ndarray:
         except (UnidentifiedImageError, OSError) as exc:
             raise InputError(f"could not read image {name}: {exc}; remove it or convert it to PNG/JPEG") from None
         out[i] = _to_square_rgb(img, resolution)
-    return out
-
-
-def _decode_dali(files: list[Path], resolution: int, device_id: int) -> np.ndarray:
-    """Decode a folder of JPEG/PNG files on the GPU with NVIDIA DALI (resize shorter side, centre crop)."""
-    try:
-        from nvidia.dali import fn, pipeline_def, types
-    except ImportError:
-        raise OptionalDependencyError("NVIDIA DALI is not installed") from None
-    batch = 256
-
-    @pipeline_def(batch_size=batch, num_threads=4, device_id=device_id, prefetch_queue_depth=2)
-    def pipe():
-        data, _ = fn.readers.file(files=[str(f) for f in files], random_shuffle=False, pad_last_batch=True,
-                                  name="reader")
-        img = fn.decoders.image(data, device="mixed", output_type=types.RGB)
-        img = fn.resize(img, resize_shorter=resolution, interp_type=types.INTERP_LANCZOS3)
-        img = fn.crop(img, crop=(resolution, resolution), out_of_bounds_policy="pad")
-        return img
-
-    p = pipe()
-    p.build()
-    out = np.empty((len(files), resolution, resolution, 3), dtype=np.uint8)
-    done = 0
-    while done < len(files):
-        (imgs,) = p.run()
-        arr = np.stack([np.asarray(t) for t in imgs.as_cpu()])
-        take = min(len(arr), len(files) - done)
-        out[done:done + take] = arr[:take]
-        done += take
     return out
 
 
@@ -148,15 +118,16 @@ def _read_array(path: Path) -> np.ndarray:
 
 
 def _cache_key(path: Path, names: list[str], resolution: int, stat_of) -> str:
-    h = hashlib.sha256(f"{path.resolve()}|{resolution}|v1".encode())
+    # v2: DALI removed, tRNS transparency composited (a v1 cache may hold other pixels)
+    h = hashlib.sha256(f"{path.resolve()}|{resolution}|v2".encode())
     for n in names:
         st = stat_of(n)
         h.update(f"{n}|{st[0]}|{st[1]}".encode())
     return h.hexdigest()[:16]
 
 
-def load_images(path: str | Path, resolution: int = 0, cache_dir: str | Path | None = None,
-                use_dali: bool = False, device_id: int = 0) -> tuple[np.ndarray, DatasetInfo]:
+def load_images(path: str | Path, resolution: int = 0,
+                cache_dir: str | Path | None = None) -> tuple[np.ndarray, DatasetInfo]:
     """All images of `path` as one (N, R, R, 3) uint8 array, decoded once and cached as .npy."""
     path = Path(path)
     if not path.exists():
@@ -180,8 +151,7 @@ def load_images(path: str | Path, resolution: int = 0, cache_dir: str | Path | N
         return np.ascontiguousarray(arr), DatasetInfo(str(path), len(arr), res, 3, "array")
 
     if path.is_dir():
-        files = _list_folder(path)
-        names = [str(f.relative_to(path)) for f in files]
+        names = [str(f.relative_to(path)) for f in _list_folder(path)]
 
         def opener(n):
             return open(path / n, "rb")
@@ -196,7 +166,6 @@ def load_images(path: str | Path, resolution: int = 0, cache_dir: str | Path | N
             raise InputError(f"{path.name} is not a readable zip file: {exc}") from None
         infos = {i.filename: i for i in zf.infolist()}
         names = sorted(n for n in infos if Path(n).suffix.lower() in IMAGE_SUFFIXES)
-        files = []
 
         def opener(n):
             return zf.open(n)
@@ -225,25 +194,13 @@ def load_images(path: str | Path, resolution: int = 0, cache_dir: str | Path | N
             arr = np.load(cache, mmap_mode="r")
             return arr, DatasetInfo(str(path), len(arr), resolution, 3, "cache", str(cache))
 
-    decoder = "pillow"
-    arr = None
-    if use_dali and files and torch.cuda.is_available():
-        try:
-            arr = _decode_dali(files, resolution, device_id)
-            decoder = "dali"
-        except OptionalDependencyError:
-            arr = None
-        except Exception as exc:  # DALI is optional: any failure there falls back to Pillow
-            print(f"[data] DALI decoding failed ({type(exc).__name__}: {exc}); decoding with Pillow instead")
-            arr = None
-    if arr is None:
-        arr = _decode_pillow(names, opener, resolution)
+    arr = _decode_pillow(names, opener, resolution)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}.npy")
         np.save(tmp, arr)
         os.replace(tmp, cache)
-    return arr, DatasetInfo(str(path), len(arr), resolution, 3, decoder, str(cache) if cache else None)
+    return arr, DatasetInfo(str(path), len(arr), resolution, 3, "pillow", str(cache) if cache else None)
 
 
 def read_dataset_meta(path: str | Path) -> dict:

@@ -35,7 +35,7 @@ import os
 import platform
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,7 +55,7 @@ from training.monitor import CollapseMonitor
 
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
 RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
-                      "progress", "device", "data", "dali", "data_device", "compile", "precision", "tf32",
+                      "progress", "device", "data", "data_device", "compile", "precision", "tf32",
                       "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
                       "snapshot_ema")
 
@@ -81,6 +81,28 @@ def build_networks(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
     d_kwargs = dict(cfg.d_kwargs)
     D = stylegan2.Discriminator(0, cfg.resolution, 3, **d_kwargs)
     return G, D
+
+
+@contextmanager
+def backend_switches(device: torch.device | str, tf32: bool):
+    """On CUDA: TF32 matmuls/convolutions per `tf32` and cuDNN autotuning for the block, restored after it.
+
+    torch keeps these switches process-wide. Set once by the trainer and never restored, they
+    changed what every later computation in the process did (an fp32 reference, a metric, a
+    generation after a training run). Off CUDA nothing is set: cuDNN is not used there, and the
+    legacy TF32 matmul switch also moves torch's float32 matmul precision, which CPU backends read."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    b = torch.backends
+    saved = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark)
+    b.cuda.matmul.allow_tf32 = bool(tf32)
+    b.cudnn.allow_tf32 = bool(tf32)
+    b.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark = saved
 
 
 def resolve_data_path(data: str) -> Path:
@@ -171,8 +193,8 @@ class Trainer:
 
         # -- data -------------------------------------------------------------------------------
         if data is None:
-            images, info = load_images(resolve_data_path(cfg.data), cfg.resolution, cache_dir=Path(".cache") / "atelier" / "datasets",
-                                       use_dali=cfg.dali, device_id=self.device.index or 0)
+            images, info = load_images(resolve_data_path(cfg.data), cfg.resolution,
+                                       cache_dir=Path(".cache") / "atelier" / "datasets")
         else:
             images, info = data
         self.data_info = info
@@ -185,10 +207,7 @@ class Trainer:
         self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
 
         # -- precision ----------------------------------------------------------------------------
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-            torch.backends.cudnn.allow_tf32 = cfg.tf32
-            torch.backends.cudnn.benchmark = True
+        # TF32 and cuDNN autotuning are switched on only around the trainer's own work (_scope).
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         if self.amp_dtype is torch.float16 and self.device.type != "cuda":
             raise InputError("fp16 training needs a CUDA GPU; use --precision bf16 or fp32 on the CPU")
@@ -197,6 +216,9 @@ class Trainer:
         # duration of each iteration / render, so nothing leaks into other users of models.ops.
         self.kernels, self.kernels_note = _kernels.resolve_training(cfg.kernels, self.device, cfg.precision,
                                                                     cfg.tf32)
+        # Every knob, the ones the setting leaves out at their reference choice: what runs follows
+        # from the config alone, not from what else in the process last set models.ops to.
+        self._impl = {**ops.DEFAULT_IMPL, **self.kernels}
 
         # -- networks -----------------------------------------------------------------------------
         torch.manual_seed(_mix(cfg.seed, 0x6E7))     # same initial weights on every rank
@@ -459,9 +481,16 @@ class Trainer:
         torch._foreach_lerp_(ema_p, [p.detach() for p in self.G.parameters()], 1.0 - beta)
         torch._foreach_copy_(list(self.G_ema.buffers()), list(self.G.buffers()))
 
+    @contextmanager
+    def _scope(self):
+        """The process-wide switches the trainer's work runs under (op formulations; on CUDA TF32 and
+        cuDNN autotuning), set for one iteration or render and restored after it."""
+        with ops.use_impl(**self._impl), backend_switches(self.device, self.cfg.tf32):
+            yield
+
     def iteration(self) -> None:
         """One training iteration (d_steps D updates, one G update, EMA, ADA)."""
-        with ops.use_impl(**self.kernels):
+        with self._scope():
             self._iteration()
 
     def _iteration(self) -> None:
@@ -495,7 +524,7 @@ class Trainer:
         g = torch.Generator().manual_seed(seed)
         z = torch.randn(n, self.G_ema.z_dim, generator=g).to(self.device)
         out = []
-        with ops.use_impl(**self.kernels):
+        with self._scope():
             for i in range(0, n, batch):
                 zb = z[i:i + batch]
                 out.append(self.G_ema(zb, None, truncation_psi=psi, noise_mode="const").float())
