@@ -270,3 +270,51 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
                    compile_mode=f.compile, fp8=f.fp8, prune_amount=f.prune_amount, prune_method=f.prune_method,
                    tensorrt=f.tensorrt, memory_savers=list(f.memory))
     return out
+
+
+# -- seeds across runs: the field's value per backend, ♻ reuse, the seed a result used --------------
+DEFAULT_SEED_TEXT = {"stylegan": "0-7", "diffusion": ""}     # diffusion: empty = a fresh random seed
+SEED_LABELS = {"stylegan": "Seeds (e.g. 0-7, 42)", "diffusion": "Seed (empty = random)"}
+
+
+def seed_label(backend: str) -> str:
+    return SEED_LABELS.get(backend, SEED_LABELS["stylegan"])
+
+
+def _item_seeds(params: dict) -> list[int]:
+    if params.get("seeds"):
+        return [int(s) for s in params["seeds"]]
+    return [int(params["seed"])] if params.get("seed") is not None else []
+
+
+def last_seed_text(results_params: list[dict], backend: str, selected: int | None = None) -> str:
+    """What ♻ puts in the seed field: the seed of the selected result (else the first) for diffusion, as
+    A1111 does; the whole run's seeds for StyleGAN, whose field takes a list. Raises InputError when no
+    result carries a seed yet."""
+    if not results_params:
+        raise InputError("no image yet: generate one, then ♻ puts its seed back in the field")
+    if backend == "diffusion":
+        pick = results_params[selected] if selected is not None and 0 <= selected < len(results_params) else results_params[0]
+        seeds = _item_seeds(pick) or next((_item_seeds(p) for p in results_params if _item_seeds(p)), [])
+        if not seeds:
+            raise InputError("the last result records no seed to reuse")
+        return str(seeds[0])
+    seeds: list[int] = []
+    for p in results_params:
+        for s in _item_seeds(p):
+            if s not in seeds:
+                seeds.append(s)
+    if not seeds:
+        raise InputError("the last result records no seed to reuse")
+    return format_seeds(seeds)
+
+
+def seeds_used(results_params: list[dict]) -> str:
+    """'seed 1234' or 'seeds 1234–1237' for a result line: the seeds the images were made with
+    (a random seed is drawn when the field is empty, so the artist needs to read it somewhere)."""
+    seeds = [s for p in results_params for s in _item_seeds(p)]
+    if not seeds:
+        return ""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {format_seeds(seeds)}"

@@ -13,8 +13,8 @@ Serving rules:
 """
 from __future__ import annotations
 
+import functools
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,8 @@ from telemetry.metrics import CONTENT_TYPE_LATEST
 from ui import panel, zerogpu
 from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
-from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, compare_spec, controls_from_params, job_spec,
-                         random_seed, size_label)
+from ui.controls import (DEFAULT_SCHEDULERS, DEFAULT_SEED_TEXT, MEMORY_SAVERS, SIZE_PRESETS, compare_spec,
+                         controls_from_params, job_spec, last_seed_text, random_seed, seed_label, size_label)
 from ui.runner import MAX_GALLERY, StudioRuntime
 from ui.state import SessionState, new_session
 from ui.train_tab import build_train_tab, make_manager
@@ -176,6 +176,47 @@ def _availability(device) -> dict[str, tuple[bool, str]]:
         return {"precision": (True, "fp32")}
 
 
+def _bound(fn, *args):
+    """`fn` with its first arguments fixed, still named (Gradio names an event's function after it)."""
+    bound = functools.partial(fn, *args)
+    bound.__name__, bound.__doc__ = fn.__name__, fn.__doc__
+    return bound
+
+
+def _owner_of(settings, sess: SessionState | None) -> str | None:
+    """Whose added models a picker lists: a visitor's own in public mode; everyone's in local mode."""
+    return sess.id if (settings.public and sess is not None) else None
+
+
+# -- event handlers (top level: each small, named and callable from a test) -------------------
+def switch_backend(services: Services, memory_toggle: bool, backend: str, seed: str, sess: SessionState = None):
+    """Show the controls of the chosen backend and its models. The seed field keeps each backend's own
+    text: StyleGAN's list comes back when you return to it, and diffusion starts empty (= random)."""
+    choices, default, note = _model_choices(services, backend, _owner_of(services.settings, sess))
+    sg = backend == "stylegan"
+    seed_text = DEFAULT_SEED_TEXT.get(backend, "")
+    if sess is not None:
+        sess.seed_texts["diffusion" if sg else "stylegan"] = seed or ""
+        seed_text = sess.seed_texts.get(backend, seed_text)
+    return (gr.Dropdown(choices=choices, value=default, info=note),
+            gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True),
+            gr.Textbox(label=seed_label(backend), value=seed_text),
+            gr.CheckboxGroup(visible=memory_toggle and not sg))
+
+
+def roll_seed() -> str:
+    """🎲: a fresh random seed in the field."""
+    return str(random_seed())
+
+
+def reuse_seed(backend: str, sess: SessionState) -> str:
+    """♻: the seed the last result used (diffusion: the selected image's; StyleGAN: the run's seeds)."""
+    try:
+        return last_seed_text([it.params for it in sess.results], backend or "stylegan", sess.selected)
+    except AtelierError as exc:
+        raise gr.Error(str(exc)) from None
+
+
 # -- the page --------------------------------------------------------------------------------
 def build_app(services: Services) -> gr.Blocks:
     rt = StudioRuntime(services)
@@ -217,8 +258,10 @@ def build_app(services: Services) -> gr.Blocks:
                     # ---------------------------------------------------------------- controls
                     with gr.Column(scale=5, min_width=360, elem_id="at-controls"):
                         with gr.Row(elem_id="at-seed-row"):
-                            C["seed"] = gr.Textbox("0-7", label="Seeds (e.g. 0-7, 42)", elem_id="seed-input", scale=8)
+                            C["seed"] = gr.Textbox(DEFAULT_SEED_TEXT["stylegan"], label=seed_label("stylegan"),
+                                                   elem_id="seed-input", scale=8)
                             dice_btn = gr.Button("🎲", elem_id="seed-dice", scale=0, min_width=44, size="sm")
+                            reuse_btn = gr.Button("♻", elem_id="seed-reuse", scale=0, min_width=44, size="sm")
 
                         # StyleGAN controls
                         with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
@@ -384,21 +427,7 @@ def build_app(services: Services) -> gr.Blocks:
 
         # -- handlers ----------------------------------------------------------------------------
         def owner_of(sess: SessionState | None) -> str | None:
-            """Whose added models a picker lists: a visitor's own in public mode; everyone's in local mode."""
-            return sess.id if (settings.public and sess is not None) else None
-
-        def switch_backend(backend: str, seed: str, sess: SessionState = None):
-            """Show the controls of the chosen backend and its models."""
-            choices, default, note = _model_choices(services, backend, owner_of(sess))
-            sg = backend == "stylegan"
-            if sg:
-                seed_update = gr.Textbox(label="Seeds (e.g. 0-7, 42)")
-            else:   # diffusion takes one seed: keep the first of a StyleGAN list
-                first = re.match(r"\s*(\d+)", seed or "")
-                seed_update = gr.Textbox(label="Seed (empty = random)", value=first.group(1) if first else "")
-            return (gr.Dropdown(choices=choices, value=default, info=note),
-                    gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True), seed_update,
-                    gr.CheckboxGroup(visible=memory_toggle and not sg))
+            return _owner_of(settings, sess)
 
         def model_defaults(backend: str, model: str | None):
             """Picking a diffusion model sets its native size, steps, guidance and scheduler."""
@@ -428,9 +457,6 @@ def build_app(services: Services) -> gr.Blocks:
                 raise gr.Error(rt.visitor_text(str(exc))) from None
             choices, _default, note = _model_choices(services, backend, owner)
             return gr.Dropdown(choices=choices, value=entry.id, info=note), f"Added **{entry.id}** ({entry.source})."
-
-        def roll_seed() -> str:
-            return str(random_seed())
 
         def prepare(*values):
             """Validate at once (errors show before the job queues) and mark this session as waiting."""
@@ -637,7 +663,7 @@ def build_app(services: Services) -> gr.Blocks:
         # -- wiring ------------------------------------------------------------------------------
         fast = dict(queue=False, show_progress="hidden")
         diffusion_knobs = [C["steps"], C["guidance"], C["size"], C["scheduler"]]
-        C["backend"].input(switch_backend, [C["backend"], C["seed"], session],
+        C["backend"].input(_bound(switch_backend, services, memory_toggle), [C["backend"], C["seed"], session],
                            [C["model"], sg_group, df_group, C["seed"], C["memory_savers"]],
                            api_name="switch_backend", **fast
                            ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
@@ -649,6 +675,7 @@ def build_app(services: Services) -> gr.Blocks:
         add_ref.submit(add_model, [add_ref, C["backend"], session], [C["model"], add_status],
                        api_name="add_model_submit", queue=False)
         dice_btn.click(roll_seed, None, C["seed"], api_name="random_seed", **fast)
+        reuse_btn.click(reuse_seed, [C["backend"], session], C["seed"], api_name="reuse_seed", **fast)
         for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
             tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
 
