@@ -61,3 +61,65 @@ def test_seeds_used_names_the_seeds_for_the_result_line():
     assert seeds_used([{"seed": 1234}]) == "seed 1234"
     assert seeds_used([{"seed": 7}, {"seed": 8}, {"seed": 9}]) == "seeds 7-9"
     assert seeds_used([{}]) == ""
+
+
+# -- 3. parameter restore -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ctx(services):
+    from ui.runner import StudioRuntime
+
+    return studio.StudioContext(services, StudioRuntime(services), ("default", "euler", "dpm++2m-karras"), True)
+
+
+def _by_name(restored):
+    return dict(zip(studio.CONTROL_NAMES + ("sg_group", "df_group", "sg_tabs"), restored.updates))
+
+
+def test_an_a1111_png_restores_the_diffusion_seed_field_and_says_its_model_is_missing(ctx, testdata):
+    from core.pnginfo import read_png_params
+
+    meta = read_png_params(testdata / "pnginfo" / "a1111_v1_6.png")
+    r = studio.restore_controls(ctx, meta)
+    u = _by_name(r)
+    assert u["backend"] == "diffusion"
+    assert u["seed"].value == "1234567890" and u["seed"].label == "Seed (empty = random)"   # not "Seeds (e.g. 0-7…)"
+    assert u["prompt"].startswith("a portrait of a red fox") and u["steps"] == 28 and u["guidance"] == 6.5
+    assert u["size"] == "640×768" and u["strength"] == 0.45 and u["scheduler"] == "dpm++2m-karras"
+    # the PNG names v1-5-pruned-emaonly, which this studio lacks: said, not swapped in silently
+    assert "v1-5-pruned-emaonly" in r.note and "does not have" in r.note
+    assert u["model"].info == r.note
+    assert u["df_group"].visible is True and u["sg_group"].visible == "hidden"
+
+
+def test_an_a1111_png_whose_model_is_installed_selects_it(ctx, testdata, tmp_path):
+    from core.pnginfo import read_png_params
+
+    folder = tmp_path / "v1-5-pruned-emaonly"
+    folder.mkdir()
+    ctx.services.catalogue.add(str(folder), "diffusion")
+    r = studio.restore_controls(ctx, read_png_params(testdata / "pnginfo" / "a1111_v1_6.png"))
+    assert r.note == "" and _by_name(r)["model"].value == str(folder)
+
+
+def test_send_back_names_the_catalogue_entry_not_the_raw_path(ctx, services):
+    """A result's `model` is the loaded file's path; the picker's value is the catalogue id. A bundled model's id
+    is its name (emoji64), so restoring must map the path back to that id instead of adding the path as a choice."""
+    bundled = next(e for e in services.catalogue.entries("stylegan") if e.source == "bundled")
+    meta = {"backend": "stylegan", "model": bundled.path, "seed": 5, "truncation_psi": 0.6, "noise_mode": "const"}
+    u = _by_name(studio.restore_controls(ctx, meta))
+    ids = [c[1] for c in u["model"].choices]
+    assert u["model"].value == bundled.id != bundled.path and bundled.path not in ids
+    assert u["seed"].value == "5" and u["seed"].label.startswith("Seeds") and u["sg_group"].visible is True
+    # a StyleGAN file that is gone: the default is shown, with the reason
+    r = studio.restore_controls(ctx, {**meta, "model": "/gone/ffhq.pkl"})
+    assert "ffhq.pkl" in r.note and _by_name(r)["model"].value == services.catalogue.default("stylegan").id
+
+
+def test_send_back_handler_restores_the_selected_result(ctx):
+    sess = SessionState()
+    with pytest.raises(gr.Error, match="Select an image"):
+        studio.send_back(ctx, sess)
+    sess.results = [ResultItem("x.png", {"backend": "stylegan", "model": str(SG_COND), "seed": 11, "class_index": 2})]
+    sess.selected = 0
+    u = dict(zip(studio.CONTROL_NAMES, studio.send_back(ctx, sess)))
+    assert u["model"].value == str(SG_COND) and u["seed"].value == "11" and u["class_index"] == "2"

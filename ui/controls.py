@@ -213,6 +213,8 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
         out["backend"] = "diffusion"
         out["prompt"] = meta.get("prompt", "")
         out["negative_prompt"] = meta.get("negative_prompt", "")
+        if meta.get("model"):
+            out["model"] = str(meta["model"])       # A1111's `Model:` (the file's stem)
         if meta.get("seed") is not None:
             out["seed"] = str(meta["seed"])
         if meta.get("steps") is not None:
@@ -318,3 +320,43 @@ def seeds_used(results_params: list[dict]) -> str:
     if len(seeds) == 1:
         return f"seed {seeds[0]}"
     return f"seeds {format_seeds(seeds)}"
+
+
+# -- which catalogue entry a saved parameter set names --------------------------------------------
+def _names_of(entry) -> set[str]:
+    """Every way a saved parameter set may name `entry`: its id, its path (as given and resolved), the
+    file or folder name and its stem (A1111 writes `Model: v1-5-pruned-emaonly`, the stem)."""
+    from pathlib import Path
+
+    names = {entry.id}
+    for ref in (entry.id, entry.path):
+        if not ref:
+            continue
+        p = Path(ref)
+        names |= {ref, p.name, p.stem}
+        try:
+            names.add(str(p.expanduser().resolve()))
+        except (OSError, RuntimeError):
+            pass
+    return {n for n in names if n}
+
+
+def find_model(entries, name: str | None):
+    """The entry among `entries` that `name` (a catalogue id, a path, a file name or an A1111 model name)
+    refers to; None when none does. An exact id or path wins over a file-name match, so two files of the
+    same name in different folders resolve to the one the parameters name by path."""
+    if not name:
+        return None
+    name = str(name).strip()
+    for e in entries:
+        if name in (e.id, e.path):
+            return e
+    from pathlib import Path
+
+    try:
+        resolved = str(Path(name).expanduser().resolve())
+    except (OSError, RuntimeError):
+        resolved = name
+    candidates = [e for e in entries if resolved in _names_of(e) or name in _names_of(e)
+                  or Path(name).name in _names_of(e) or Path(name).stem in _names_of(e)]
+    return candidates[0] if candidates else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from ui import panel, zerogpu
 from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
 from ui.controls import (DEFAULT_SCHEDULERS, DEFAULT_SEED_TEXT, MEMORY_SAVERS, SIZE_PRESETS, compare_spec,
-                         controls_from_params, job_spec, last_seed_text, random_seed, seed_label, size_label)
+                         controls_from_params, find_model, job_spec, last_seed_text, random_seed, seed_label, size_label)
 from ui.runner import MAX_GALLERY, StudioRuntime
 from ui.state import SessionState, new_session
 from ui.train_tab import build_train_tab, make_manager
@@ -189,6 +190,104 @@ def _owner_of(settings, sess: SessionState | None) -> str | None:
 
 
 # -- event handlers (top level: each small, named and callable from a test) -------------------
+@dataclass(frozen=True)
+class StudioContext:
+    """What the top-level handlers share: the services, the runtime and a few facts about the page."""
+
+    services: Services
+    rt: StudioRuntime
+    schedulers: tuple[str, ...]
+    memory_toggle: bool                      # the memory-savers toggle exists (shown with diffusion only)
+
+    def visitor_text(self, text: str) -> str:
+        return self.rt.visitor_text(text)
+
+
+# the text fields among CONTROL_NAMES: a restored None becomes "" there
+TEXT_CONTROLS = frozenset({"seed", "truncation_cutoff", "class_index", "mix_rows", "mix_cols", "sg_mode", "prompt",
+                           "negative_prompt"})
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Control updates from saved parameters, in the order of `CONTROL_NAMES` + the two backend groups and
+    the StyleGAN tabs; `note` says what could not be restored exactly (a model this studio lacks)."""
+
+    updates: tuple
+    note: str = ""
+
+
+def restore_controls(ctx: StudioContext, meta: dict, owner: str | None = None) -> Restored:
+    """Saved parameters (a result's, a PNG's, A1111's) -> every control they name set exactly: the
+    backend, its seed field (value and label), the model the parameters name (by catalogue id, path,
+    file name or A1111 model name) or, when this studio lacks it, the backend's default with a note."""
+    try:
+        vals = controls_from_params(meta)
+    except AtelierError as exc:
+        raise gr.Error(ctx.visitor_text(str(exc))) from None
+    backend = vals.get("backend", "stylegan")
+    choices, default, picker_note = _model_choices(ctx.services, backend, owner)
+    named = vals.pop("model", None)
+    entry = find_model(ctx.services.catalogue.entries(backend, owner), named)
+    note = ""
+    if named and entry is None:
+        shown = Path(str(named)).name if ctx.services.settings.public else str(named)
+        where = (" Add it under *Add a model* to restore it exactly."
+                 if ctx.services.settings.visitor_may("add-model") else "")
+        note = (f"These parameters were made with the model '{shown}', which this studio does not have; "
+                f"the model picker shows this studio's default instead.{where}")
+    model_update = gr.Dropdown(choices=choices, value=entry.id if entry else default,
+                               info=(note or picker_note or None))
+    if "scheduler_hint" in vals:
+        vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), list(ctx.schedulers),
+                                             vals.pop("schedule_type_hint", None))
+    if backend == "diffusion":
+        vals.setdefault("seed", "")          # no seed saved: random, never the StyleGAN list left in the field
+    out = []
+    for name in CONTROL_NAMES:
+        if name == "model":
+            out.append(model_update)
+        elif name == "backend":
+            out.append(backend)
+        elif name == "seed":
+            out.append(gr.Textbox(value=str(vals["seed"]), label=seed_label(backend)) if "seed" in vals
+                       else gr.Textbox(label=seed_label(backend)))
+        elif name == "memory_savers":
+            out.append(gr.CheckboxGroup(value=vals["memory_savers"], visible=ctx.memory_toggle and backend != "stylegan")
+                       if "memory_savers" in vals else gr.CheckboxGroup(visible=ctx.memory_toggle and backend != "stylegan"))
+        elif name in vals:
+            value = vals[name]
+            out.append(("" if value is None else str(value)) if name in TEXT_CONTROLS else value)
+        else:
+            out.append(gr.skip())
+    sg = backend == "stylegan"
+    out += [gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True),
+            gr.Tabs(selected=vals["sg_mode"]) if (sg and vals.get("sg_mode")) else gr.skip()]
+    return Restored(tuple(out), note)
+
+
+def _restore(ctx: StudioContext, meta: dict, sess: SessionState | None) -> tuple:
+    restored = restore_controls(ctx, meta, _owner_of(ctx.services.settings, sess))
+    if restored.note:
+        gr.Warning(restored.note)
+    return restored.updates
+
+
+def send_back(ctx: StudioContext, sess: SessionState):
+    """Put the selected image's parameters back into the controls."""
+    item = sess.selected_item()
+    if item is None:
+        raise gr.Error("Select an image in the gallery first.")
+    return _restore(ctx, item.params, sess)
+
+
+def send_png_params(ctx: StudioContext, params: dict | None, sess: SessionState = None):
+    """PNG info's *Send to controls*: the dropped PNG's parameters into the controls."""
+    if not params:
+        raise gr.Error("Drop a PNG with parameters first.")
+    return _restore(ctx, params, sess)
+
+
 def switch_backend(services: Services, memory_toggle: bool, backend: str, seed: str, sess: SessionState = None):
     """Show the controls of the chosen backend and its models. The seed field keeps each backend's own
     text: StyleGAN's list comes back when you return to it, and diffusion starts empty (= random)."""
@@ -424,6 +523,7 @@ def build_app(services: Services) -> gr.Blocks:
         panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
         send_outputs = controls + [sg_group, df_group, sg_tabs]
         memory_toggle = "memory" in avail          # memory savers are diffusion-only: shown with that backend
+        ctx = StudioContext(services, rt, tuple(schedulers), memory_toggle)
 
         # -- handlers ----------------------------------------------------------------------------
         def owner_of(sess: SessionState | None) -> str | None:
@@ -597,41 +697,6 @@ def build_app(services: Services) -> gr.Blocks:
                 return None, gr.DownloadButton(value=None, interactive=False)
             return item.params, gr.DownloadButton(value=item.path, interactive=True)
 
-        def _apply_params(meta: dict) -> dict:
-            try:
-                vals = controls_from_params(meta)
-            except AtelierError as exc:
-                raise gr.Error(rt.visitor_text(str(exc))) from None
-            out: dict = {}
-            backend = vals.get("backend", "stylegan")
-            choices, default, note = _model_choices(services, backend)
-            model = vals.get("model") or default
-            if model and model not in [c[1] for c in choices]:
-                choices = choices + [(model, model)]
-            out[C["model"]] = gr.Dropdown(choices=choices, value=model)
-            if "scheduler_hint" in vals:
-                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), schedulers,
-                                                     vals.pop("schedule_type_hint", None))
-            for name, value in vals.items():
-                if name in C and name != "model":
-                    if isinstance(C[name], gr.Textbox):       # class, ψ cutoff, seeds: text fields
-                        value = "" if value is None else str(value)
-                    out[C[name]] = value
-            sg = backend == "stylegan"
-            out[sg_group] = gr.Group(visible=True if sg else "hidden")
-            out[df_group] = gr.Group(visible="hidden" if sg else True)
-            out[C["memory_savers"]] = gr.CheckboxGroup(visible=memory_toggle and not sg)
-            if sg and vals.get("sg_mode"):
-                out[sg_tabs] = gr.Tabs(selected=vals["sg_mode"])
-            return out
-
-        def send_back(sess: SessionState):
-            """Put the selected image's parameters back into the controls."""
-            item = sess.selected_item()
-            if item is None:
-                raise gr.Error("Select an image in the gallery first.")
-            return _apply_params(item.params)
-
         def read_png_info(path: str | None):
             """Parameters embedded in a PNG (Atelier's own, or AUTOMATIC1111's 'parameters' text)."""
             if not path:
@@ -641,11 +706,6 @@ def build_app(services: Services) -> gr.Blocks:
             except AtelierError as exc:
                 raise gr.Error(rt.visitor_text(str(exc))) from None
             return path, params, None      # the drop zone empties, ready for the next file
-
-        def send_png_params(params: dict | None):
-            if not params:
-                raise gr.Error("Drop a PNG with parameters first.")
-            return _apply_params(params)
 
         def mode_setter(mode: str):
             def set_mode():
@@ -702,10 +762,13 @@ def build_app(services: Services) -> gr.Blocks:
         stop_btn.click(stop, session, progress_box, api_name="stop", **fast)
         timer.tick(telemetry, session, panel_outputs + [timer], api_name="telemetry", **fast)
         gallery.select(select_image, session, [selected_params, download_btn], api_name="select_image", **fast)
-        send_back_btn.click(send_back, session, send_outputs, api_name="send_back", **fast)
+        # queued (not in the GPU's): a model the parameters name but this studio lacks is said in a toast
+        send_back_btn.click(_bound(send_back, ctx), session, send_outputs, api_name="send_back",
+                            concurrency_id="restore", show_progress="hidden")
         png_file.upload(read_png_info, png_file, [png_preview, png_params, png_file], api_name="read_png_info",
                         concurrency_id="files", concurrency_limit=4)
-        png_send_btn.click(send_png_params, png_params, send_outputs, api_name="send_png_params", **fast)
+        png_send_btn.click(_bound(send_png_params, ctx), [png_params, session], send_outputs,
+                           api_name="send_png_params", concurrency_id="restore", show_progress="hidden")
         demo.load(page_load, session, panel_outputs + [timer], api_name="page_load", **fast)
         demo.unload(page_unload)
 
