@@ -28,7 +28,7 @@ from pipelines.services import Services
 from pipelines.tools import optimization_availability
 from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
-from ui import panel, zerogpu
+from ui import history, panel, zerogpu
 from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
 from ui.controls import (DEFAULT_SCHEDULERS, DEFAULT_SEED_TEXT, MEMORY_SAVERS, SIZE_PRESETS, compare_spec,
@@ -40,8 +40,13 @@ from ui.train_tab import build_train_tab, make_manager
 log = logging.getLogger("atelier.ui")
 ROOT = Path(__file__).resolve().parent.parent
 CSS_PATH = ROOT / "assets" / "ui.css"
+JS_PATH = ROOT / "assets" / "ui.js"
 FAST_TICK_S, SLOW_TICK_S = 0.5, 2.0      # panel refresh: about 2 Hz while a job runs, slower when idle
 MAX_UPLOAD = "25mb"
+# a second Generate (or Ctrl+Enter) while this tab's job runs: one job per tab, said rather than queued,
+# so a double press never runs the same request twice
+ALREADY_RUNNING = ("Not queued: this tab already has a job queued or running (one at a time). "
+                   "Wait for it to finish, or press Stop, then Generate again.")
 
 # every control the generate event reads, in the order of `generate`'s parameters (its API signature)
 CONTROL_NAMES = (
@@ -75,6 +80,11 @@ def make_theme() -> gr.themes.Base:
 
 def load_css() -> str:
     return CSS_PATH.read_text() if CSS_PATH.is_file() else ""
+
+
+def load_js() -> str:
+    """The page's keyboard shortcut (Ctrl/⌘+Enter = Generate) and the PNG drop on the prompt."""
+    return JS_PATH.read_text() if JS_PATH.is_file() else "() => {}"
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -281,6 +291,41 @@ def send_back(ctx: StudioContext, sess: SessionState):
     return _restore(ctx, item.params, sess)
 
 
+def read_dropped_png(ctx: StudioContext, path: str | None, sess: SessionState = None):
+    """A PNG dropped on the prompt: its parameters into the controls (as PNG info → Send to controls), and
+    into the PNG info tab; the drop zone empties for the next file."""
+    if not path:
+        return (gr.skip(),) * (len(CONTROL_NAMES) + 3) + (gr.skip(), None)
+    try:
+        params = read_png_params(path)
+    except AtelierError as exc:
+        raise gr.Error(ctx.visitor_text(str(exc))) from None
+    return _restore(ctx, params, sess) + (params, None)
+
+
+def record_history(ctx: StudioContext, sess: SessionState, stored: list | None):
+    """After a job: its images go to the front of this browser's history (the last HISTORY_MAX kept)."""
+    kept = history.add(history.valid(stored, ctx.services.settings.output_dir), sess.results[:history.HISTORY_MAX])
+    return kept, history.gallery(kept)
+
+
+def show_history(ctx: StudioContext, stored: list | None):
+    """On page load: the history this browser kept, without the files that are gone."""
+    kept = history.valid(stored, ctx.services.settings.output_dir)
+    return kept, history.gallery(kept)
+
+
+def select_history(stored: list | None, evt: gr.SelectData):
+    """A history image picked: its parameters (ready for *Send parameters back*)."""
+    i = evt.index if isinstance(evt.index, int) else None
+    entries = stored or []
+    return entries[i]["params"] if i is not None and 0 <= i < len(entries) else None
+
+
+def clear_history():
+    return [], [], None
+
+
 def send_png_params(ctx: StudioContext, params: dict | None, sess: SessionState = None):
     """PNG info's *Send to controls*: the dropped PNG's parameters into the controls."""
     if not params:
@@ -342,6 +387,9 @@ def build_app(services: Services) -> gr.Blocks:
     with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
         # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
         session = gr.State(new_session, delete_callback=lambda s: s.cancel())
+        # this browser's results across runs and reloads (localStorage, encrypted with the studio's key)
+        history_state = gr.BrowserState([], storage_key=history.HISTORY_KEY,
+                                        secret=history.browser_secret(settings.cache_dir))
         with gr.Row(elem_id="at-header", equal_height=True):
             gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo", scale=0, min_width=210)
             C["backend"] = gr.Radio([("StyleGAN", "stylegan"), ("Diffusion", "diffusion")], value="stylegan",
@@ -411,6 +459,9 @@ def build_app(services: Services) -> gr.Blocks:
                         with gr.Group(visible="hidden", elem_id="diffusion-controls") as df_group:
                             C["prompt"] = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt-input",
                                                      placeholder="a watercolor fox in a misty forest, soft light")
+                            # a PNG dropped on the prompt lands here (assets/ui.js) and fills the controls
+                            prompt_drop = gr.File(type="filepath", file_types=[".png", ".jpg", ".jpeg", ".webp"],
+                                                  visible="hidden", elem_id="prompt-drop-file")
                             C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1,
                                                               elem_id="negative-prompt-input",
                                                               placeholder="blurry, low quality")
@@ -477,6 +528,18 @@ def build_app(services: Services) -> gr.Blocks:
                                 selected_params = gr.JSON(label="Parameters of the selected image",
                                                           elem_id="selected-params",
                                                           open=False)
+                            with gr.Tab("History", id="history", elem_id="history-tab"):
+                                history_gallery = gr.Gallery(label="This browser's last results", show_label=True,
+                                                             columns=6, height=420, object_fit="contain",
+                                                             allow_preview=True, format="png",
+                                                             elem_id="history-gallery", interactive=False,
+                                                             buttons=["download", "fullscreen"])
+                                with gr.Row():
+                                    history_send_btn = gr.Button("Send parameters back", elem_id="history-send",
+                                                                 size="sm")
+                                    history_clear_btn = gr.Button("Clear history", elem_id="history-clear", size="sm")
+                                history_params = gr.JSON(label="Parameters of the selected image",
+                                                         elem_id="history-params", open=False)
                             with gr.Tab("PNG info", id="pnginfo", elem_id="pnginfo-tab"):
                                 with gr.Row():
                                     png_file = gr.File(label="PNG (Atelier or A1111)", type="filepath",
@@ -570,7 +633,7 @@ def build_app(services: Services) -> gr.Blocks:
             *vals, sess = values
             v = dict(zip(CONTROL_NAMES, vals))
             if sess.job is not None or sess.waiting_ticket() is not None:
-                raise gr.Error("This session already has a job queued or running: press Stop or wait for it.")
+                raise gr.Error(ALREADY_RUNNING)
             waiting, _running = rt.queue.counts()
             if settings.queue_max_size and waiting >= settings.queue_max_size:
                 raise gr.Error(f"The GPU queue is full ({waiting} jobs waiting, the limit is {settings.queue_max_size}). "
@@ -740,17 +803,22 @@ def build_app(services: Services) -> gr.Blocks:
             tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
 
         # the click takes a place in the GPU queue (shown at once); its generate event carries that
-        # ticket, so a Stop while it waits cancels exactly this job, however many clicks follow
+        # ticket, so a Stop while it waits cancels exactly this job, however many clicks follow.
+        # It goes through Gradio's queue (its own lane, not the GPU's) because only a queued event's error
+        # reaches the page as a toast: a refused press ("Not queued: …") must say why.
+        prep = dict(concurrency_id="prepare", concurrency_limit=8, show_progress="hidden")
         gen_event = generate_btn.click(prepare, controls + [session], [progress_box, timer, ticket_box],
-                                       api_name="queue_job", **fast)
+                                       api_name="queue_job", **prep)
         gen_event.success(generate, controls + [ticket_box, session],
                           [gallery, preview, progress_box, selected_params, download_btn],
                           api_name="generate", concurrency_id="gpu", concurrency_limit=1,
                           show_progress="hidden", trigger_mode="multiple"
                           ).then(job_finished, [session, ticket_box], panel_outputs + [timer], api_name="job_finished",
-                                 **fast)
+                                 **fast
+                                 ).then(_bound(record_history, ctx), [session, history_state],
+                                        [history_state, history_gallery], api_name="record_history", **fast)
         cmp_event = compare_btn.click(prepare_compare, controls + [session], [progress_box, timer, ticket_box],
-                                      api_name="queue_compare", **fast)
+                                      api_name="queue_compare", **prep)
         cmp_event.success(compare, controls + [ticket_box, session],
                           [compare_slider, compare_diff, compare_table, progress_box],
                           api_name="compare", concurrency_id="gpu", concurrency_limit=1,
@@ -770,6 +838,17 @@ def build_app(services: Services) -> gr.Blocks:
         png_send_btn.click(_bound(send_png_params, ctx), [png_params, session], send_outputs,
                            api_name="send_png_params", concurrency_id="restore", show_progress="hidden")
         demo.load(page_load, session, panel_outputs + [timer], api_name="page_load", **fast)
+        demo.load(_bound(show_history, ctx), history_state, [history_state, history_gallery], api_name="show_history",
+                  **fast)
+        demo.load(None, None, None, js=load_js())
+        history_gallery.select(select_history, history_state, history_params, api_name="select_history", **fast)
+        history_send_btn.click(_bound(send_png_params, ctx), [history_params, session], send_outputs,
+                               api_name="send_history_params", concurrency_id="restore", show_progress="hidden")
+        history_clear_btn.click(clear_history, None, [history_state, history_gallery, history_params],
+                                api_name="clear_history", **fast)
+        prompt_drop.upload(_bound(read_dropped_png, ctx), [prompt_drop, session],
+                           send_outputs + [png_params, prompt_drop], api_name="read_dropped_png",
+                           concurrency_id="files", concurrency_limit=4, show_progress="hidden")
         demo.unload(page_unload)
 
     demo.queue(max_size=settings.queue_max_size, default_concurrency_limit=4)
