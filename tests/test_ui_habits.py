@@ -123,3 +123,75 @@ def test_send_back_handler_restores_the_selected_result(ctx):
     sess.selected = 0
     u = dict(zip(studio.CONTROL_NAMES, studio.send_back(ctx, sess)))
     assert u["model"].value == str(SG_COND) and u["seed"].value == "11" and u["class_index"] == "2"
+
+
+# -- 6. a training run folder is a model --------------------------------------------------------
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    import numpy as np
+
+    from training.config import build_config
+    from training.trainer import train
+
+    tmp = tmp_path_factory.mktemp("run-as-model")
+    rng = np.random.default_rng(0)
+    imgs = np.full((16, 16, 16, 3), 255, dtype=np.uint8)
+    for i in range(16):
+        imgs[i, 2 + i % 8:8 + i % 8, 3:9] = rng.integers(0, 255, size=3)
+    np.save(tmp / "squares.npy", imgs)
+    cfg = build_config("tiny", 16, data=str(tmp / "squares.npy"), out=str(tmp / "mine"), kimg=0.016, device="cpu",
+                       log_every=1, snapshot_kimg=0.0, aug="none", monitor_kimg=0.0)
+    train(cfg, log=lambda s: None)
+    return tmp / "mine"
+
+
+def test_a_run_folder_loads_its_ema_generator(run_folder):
+    import torch
+
+    from core.errors import ModelLoadError
+    from models.stylegan import load_generator
+    from training.export import _load_g_ema
+
+    loaded = load_generator(run_folder)
+    reference, _doc = _load_g_ema(run_folder)          # the trainer's own way of building G_ema
+    z = torch.randn(2, loaded.z_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = loaded.G(z, None, truncation_psi=1.0, noise_mode="const")
+        b = reference(z, None, truncation_psi=1.0, noise_mode="const")
+    assert a.shape == b.shape == (2, 3, 16, 16)
+    assert torch.allclose(a, b, atol=1e-5)             # the same weights; built twice, so not bit-compared
+    assert loaded.source == run_folder and len(loaded.short_hash) == 10
+    shard = sorted(run_folder.glob("G_ema*.safetensors"))[0]
+    assert load_generator(shard).sha256 == loaded.sha256      # the shard itself names its run
+    with shard.open("r+b") as fh:                             # a damaged shard is refused, with the file named
+        fh.seek(200)
+        byte = fh.read(1)
+        fh.seek(200)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        with pytest.raises(ModelLoadError, match="SHA-256"):
+            load_generator(run_folder)
+    finally:
+        with shard.open("r+b") as fh:
+            fh.seek(200)
+            fh.write(byte)
+
+
+def test_a_run_folder_is_listed_added_and_generates_in_the_studio(run_folder, tmp_path):
+    from core.types import GenerationRequest, StyleGANParams
+
+    settings = Settings(extra_models=(str(run_folder),), models_dirs=(), output_dir=tmp_path / "out",
+                        cache_dir=tmp_path / "cache", default_stylegan_model=str(run_folder))
+    svc = build_services(settings)
+    [entry] = [e for e in svc.catalogue.entries("stylegan") if e.path == str(run_folder)]
+    assert "training run" in entry.kind and entry.size_bytes
+    assert run_folder.name in studio._entry_label(entry)
+    result = svc.manager.generate(GenerationRequest("stylegan", entry.id, StyleGANParams(seeds=(0, 1), batch_size=2)))
+    assert len(result.images) == 2 and result.images[0].size == (16, 16)
+    assert result.metadata[0]["model"] == str(run_folder)
+    # the picker's "Add a model" takes the folder too (a models folder holding runs lists them as well)
+    other = build_services(Settings(extra_models=(str(SG_UNCOND),), models_dirs=(run_folder.parent,),
+                                    output_dir=tmp_path / "o2", cache_dir=tmp_path / "c2",
+                                    default_stylegan_model=str(SG_UNCOND)))
+    assert any(e.path == str(run_folder) for e in other.catalogue.entries("stylegan"))
+    assert other.catalogue.add(str(run_folder), "stylegan").kind.endswith("training run")
