@@ -148,3 +148,24 @@ def test_history_keeps_this_browsers_results_across_runs_and_a_reload(browser, s
         expect(page.locator("#history-gallery img")).to_have_count(0)
     finally:
         ctx.close()
+
+
+def test_phone_width_has_generate_above_the_fold_and_a_gallery_that_fits(browser, studio):
+    page = open_page(browser, studio, width=390, height=844)
+    try:
+        page.evaluate("window.scrollTo(0, 0)")
+        box = page.locator("#generate-btn").bounding_box()
+        assert box["y"] >= 0 and box["y"] + box["height"] <= 844, box           # on the first screen, unscrolled
+        stop = page.locator("#stop-btn").bounding_box()
+        assert stop["x"] + stop["width"] <= 390, stop
+        fill(page, "seed-input", "0-7")
+        page.click("#generate-btn")
+        expect_progress(page, r"Done: 8 images")
+        expect(page.locator("#output-gallery img")).to_have_count(8, timeout=LONG)
+        page.evaluate("document.querySelector('#output-gallery').scrollIntoView()")
+        for i in range(8):                                                     # every thumbnail whole in width
+            b = page.locator("#output-gallery img").nth(i).bounding_box()
+            assert b["x"] >= 0 and b["x"] + b["width"] <= 390, (i, b)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390     # nothing runs off to the side
+    finally:
+        page.context.close()
