@@ -195,3 +195,26 @@ def test_a_run_folder_is_listed_added_and_generates_in_the_studio(run_folder, tm
                                     default_stylegan_model=str(SG_UNCOND)))
     assert any(e.path == str(run_folder) for e in other.catalogue.entries("stylegan"))
     assert other.catalogue.add(str(run_folder), "stylegan").kind.endswith("training run")
+
+
+# -- 8. the smaller items -----------------------------------------------------------------------
+def test_an_exported_model_keeps_a_dotted_name_whole(run_folder, tmp_path):
+    from models.stylegan import load_generator
+    from training.runs import export_for_studio
+
+    paths = export_for_studio(run_folder, tmp_path / "ux-probe-0.5")
+    assert paths["weights"].name == "ux-probe-0.5.safetensors" and paths["config"].name == "ux-probe-0.5.json"
+    assert paths["card"].name == "ux-probe-0.5.md" and paths["card"].read_text().startswith("# ux-probe-0.5:")
+    assert load_generator(paths["weights"]).resolution == 16
+
+
+def test_nothing_to_compare_is_a_note_not_an_error():
+    from core.types import GenerationRequest, OptimizationFlags, StyleGANParams
+
+    off = GenerationRequest("stylegan", None, StyleGANParams(seeds=(0,)), OptimizationFlags(), "cpu")
+    note = studio.nothing_to_compare(off)
+    assert note.startswith("Nothing to compare") and "Optimization panel" in note
+    html = studio.render_nothing_to_compare(note)
+    assert "at-empty-note" in html and "error" not in html and "failed" not in html
+    on = GenerationRequest("stylegan", None, StyleGANParams(seeds=(0,)), OptimizationFlags(precision="bf16"), "cpu")
+    assert studio.nothing_to_compare(on) is None

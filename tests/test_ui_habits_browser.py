@@ -169,3 +169,26 @@ def test_phone_width_has_generate_above_the_fold_and_a_gallery_that_fits(browser
         assert page.evaluate("document.documentElement.scrollWidth") <= 390     # nothing runs off to the side
     finally:
         page.context.close()
+
+
+def _colours(page, selector: str) -> tuple[str, str]:
+    return tuple(page.evaluate(f"() => {{ const cs = getComputedStyle(document.querySelector('{selector}'));"
+                               " return [cs.color, cs.backgroundColor]; }"))
+
+
+def test_stop_keeps_a_readable_label_on_hover_in_light_mode(page):
+    page.hover("#stop-btn")
+    page.wait_for_function("(() => { const cs = getComputedStyle(document.querySelector('#stop-btn'));"
+                           " return cs.backgroundColor === 'rgb(220, 38, 38)'; })()", timeout=LONG)   # filled red
+    text, background = _colours(page, "#stop-btn")
+    assert text != background, (text, background)
+    assert text == "rgb(255, 255, 255)"
+
+
+def test_compare_with_every_toggle_off_is_a_note_not_a_failure(page):
+    fill(page, "seed-input", "0-1")
+    page.get_by_role("tab", name="Compare").click()
+    page.click("#compare-btn")
+    expect(page.locator("#compare-nothing")).to_contain_text("Nothing to compare", timeout=LONG)
+    assert page.locator(".toast-body.error").count() == 0           # no red error toast
+    assert "failed" not in page.inner_text("#job-readout").lower()   # and no "failed" badge

@@ -187,6 +187,29 @@ def _availability(device) -> dict[str, tuple[bool, str]]:
         return {"precision": (True, "fp32")}
 
 
+NO_JOB = -1        # the ticket of a press that starts no job (Compare with every toggle off)
+
+
+def nothing_to_compare(request) -> str | None:
+    """The Compare tab's note when the request's toggles are the fp32 reference (nothing to compare), else None."""
+    from ui.compare import comparison_request
+
+    try:
+        comparison_request(request)
+    except AtelierError as exc:
+        if str(exc).startswith("Nothing to compare"):
+            return str(exc)
+        raise
+    return None
+
+
+def render_nothing_to_compare(note: str) -> str:
+    """A quiet note (not an error): nothing went wrong, there is just nothing to compare yet."""
+    import html
+
+    return f'<div class="at-empty-note" id="compare-nothing">{html.escape(note)}</div>'
+
+
 def _bound(fn, *args):
     """`fn` with its first arguments fixed, still named (Gradio names an event's function after it)."""
     bound = functools.partial(fn, *args)
@@ -642,6 +665,8 @@ def build_app(services: Services) -> gr.Blocks:
                 spec = make_spec(v, settings.device)
             except AtelierError as exc:
                 raise gr.Error(rt.visitor_text(str(exc))) from None
+            if spec.kind == "compare" and nothing_to_compare(spec.request):
+                return gr.skip(), gr.skip(), NO_JOB      # not an error: the Compare tab says what to turn on
             ticket = rt.enqueue(sess, spec.kind)
             html = panel.render_progress(sess.tracker.snapshot(), rt.queue.position(ticket), rt.queue.counts()[0])
             sess.timer_interval = FAST_TICK_S
@@ -699,8 +724,14 @@ def build_app(services: Services) -> gr.Blocks:
                     memory_savers=None, ticket=None, sess: SessionState = None, request: gr.Request = None):
             """Run the request with the fp32 reference and with the chosen toggles; yields progress, ends with
             the two images on a slider, their difference map and a table of latency, memory and drift."""
-            spec = _spec_for_event(locals(), compare_spec, ticket, sess, request)
+            values = dict(locals())
             skip = gr.skip()
+            if ticket == NO_JOB:          # every toggle off (see prepare): a note in the tab, no job, no error
+                v = {k: val for k, val in values.items() if k in CONTROL_NAMES and val is not None}
+                note = nothing_to_compare(compare_spec(v, settings.device).request)
+                yield skip, skip, render_nothing_to_compare(note or ""), skip
+                return
+            spec = _spec_for_event(values, compare_spec, ticket, sess, request)
             for ev in rt.run(sess, spec, ticket):
                 if not ev.done:
                     yield skip, skip, skip, skip
