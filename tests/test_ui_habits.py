@@ -218,3 +218,12 @@ def test_nothing_to_compare_is_a_note_not_an_error():
     assert "at-empty-note" in html and "error" not in html and "failed" not in html
     on = GenerationRequest("stylegan", None, StyleGANParams(seeds=(0,)), OptimizationFlags(precision="bf16"), "cpu")
     assert studio.nothing_to_compare(on) is None
+
+
+def test_the_startup_banner_names_our_share_flag_not_gradios_launch_argument():
+    class Served:
+        local_url, share_url = "http://127.0.0.1:7860/", None
+
+    text = studio.startup_banner(Settings(), Served())
+    assert "--share" in text and "share=True" not in text and "launch()" not in text
+    assert "http://127.0.0.1:7860/" in text
