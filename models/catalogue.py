@@ -25,6 +25,28 @@ def _stylegan_sidecar(path: Path) -> dict | None:
     return data if str(data.get("format", "")).startswith("atelier-stylegan") else None
 
 
+RUN_STATE_FILE, RUN_FORMAT = "state.json", "atelier-train-checkpoint/1"   # a training run folder (models.stylegan)
+
+
+def run_entry(folder: Path, source: str = "local") -> CatalogueEntry | None:
+    """A training run folder as a StyleGAN model (its EMA generator), or None when `folder` is not one."""
+    state = Path(folder) / RUN_STATE_FILE
+    if not state.is_file():
+        return None
+    try:
+        doc = json.loads(state.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT or not (doc.get("files") or {}).get("G_ema"):
+        return None
+    cfg = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    size = sum(int(v.get("bytes", 0)) for k, v in (doc.get("listing") or {}).items()
+               if k.startswith("G_ema") and isinstance(v, dict))
+    return CatalogueEntry(id=str(folder), backend="stylegan", kind=f"{cfg.get('arch', 'stylegan2')} training run",
+                          source=source, path=str(folder), size_bytes=size or None,
+                          description=f"G_ema of the training run {Path(folder).name} at {doc.get('kimg', 0)} kimg")
+
+
 def scan_stylegan(folder: Path, source: str) -> list[CatalogueEntry]:
     """StyleGAN models in `folder` (not recursive below one level)."""
     out: list[CatalogueEntry] = []
@@ -43,6 +65,10 @@ def scan_stylegan(folder: Path, source: str) -> list[CatalogueEntry]:
         ident = p.stem if source == "bundled" else str(p)
         out.append(CatalogueEntry(id=ident, backend="stylegan", kind=kind, source=source, path=str(p),
                                   size_bytes=p.stat().st_size, license=_license(side), description=desc))
+    for sub in sorted(d for d in folder.iterdir() if d.is_dir()):   # training run folders one level down
+        run = run_entry(sub, source)
+        if run is not None:
+            out.append(run)
     return out
 
 
@@ -84,7 +110,10 @@ class Catalogue:
             found += scan_stylegan(d, "local")
         for ref in self.extra:
             p = Path(ref)
-            if p.is_file() and p.suffix in STYLEGAN_SUFFIXES:
+            run = run_entry(p) if p.is_dir() else None
+            if run is not None:
+                found.append(run)
+            elif p.is_file() and p.suffix in STYLEGAN_SUFFIXES:
                 found += [e for e in scan_stylegan(p.parent, "local") if e.path == str(p)] or [
                     CatalogueEntry(id=str(p), backend="stylegan", kind="stylegan", source="local", path=str(p),
                                    size_bytes=p.stat().st_size)]
@@ -112,9 +141,13 @@ class Catalogue:
         if not ref:
             raise ModelLoadError("type a model path or a Hugging Face id to add")
         p = Path(ref).expanduser()
-        if backend == "stylegan":
+        run = run_entry(p) if (backend == "stylegan" and p.is_dir()) else None
+        if run is not None:
+            e = run
+        elif backend == "stylegan":
             if not p.is_file():
-                raise ModelLoadError(f"no StyleGAN model file at {p}; give the path of a .pkl or .safetensors file")
+                raise ModelLoadError(f"no StyleGAN model file at {p}; give the path of a .pkl or .safetensors file, "
+                                     "or a training run folder (it holds state.json)")
             e = CatalogueEntry(id=str(p), backend="stylegan", kind="stylegan", source="local", path=str(p),
                                size_bytes=p.stat().st_size)
         else:

@@ -466,9 +466,93 @@ def load_snapshot(path: str | Path) -> Snapshot:
 # Entry point
 
 
+# -- a training run folder (training/checkpoint.py writes it): its EMA generator is a model -------------
+RUN_STATE_FILE = "state.json"
+RUN_FORMAT = "atelier-train-checkpoint/1"       # training.checkpoint.FORMAT (models may not import training)
+
+
+def run_folder_of(path: str | Path) -> Path | None:
+    """The training run folder `path` is, or is a file of (its state.json, a G_ema shard); else None."""
+    p = Path(path).expanduser()
+    folder = p if p.is_dir() else p.parent
+    if p.is_file() and not (p.name == RUN_STATE_FILE or p.name.startswith("G_ema")):
+        return None
+    return folder if (folder / RUN_STATE_FILE).is_file() else None
+
+
+def read_run_state(folder: Path) -> dict:
+    """state.json of a run folder, checked to be one (the format) and to hold a G_ema."""
+    f = Path(folder) / RUN_STATE_FILE
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{f} cannot be read as a training checkpoint ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != RUN_FORMAT:
+        raise ModelLoadError(f"{f} is not an Atelier training checkpoint (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+    if not (doc.get("files") or {}).get("G_ema"):
+        raise ModelLoadError(f"the run folder {folder} has no G_ema weights (was the run saved?)")
+    if not isinstance(doc.get("config"), dict):
+        raise ModelLoadError(f"{f} has no training config; the checkpoint is damaged")
+    return doc
+
+
+def run_init_kwargs(config: dict) -> tuple[str, dict]:
+    """(arch, NVlabs constructor kwargs) of the generator a training config builds (training.trainer's
+    build_networks: unconditional, RGB, the config's resolution and g_kwargs)."""
+    g = dict(config.get("g_kwargs") or {})
+    arch = str(config.get("arch") or "stylegan2")
+    kwargs = {"z_dim": int(g.pop("z_dim", 512)), "c_dim": 0, "w_dim": int(g.pop("w_dim", 512)),
+              "img_resolution": int(config.get("resolution", 0)), "img_channels": 3, **g}
+    return arch, kwargs
+
+
+def _load_run(folder: Path, device) -> LoadedGenerator:
+    """The EMA generator of a training run folder, straight from its checkpoint shards: every shard's size
+    and SHA-256 are checked against state.json first, the network is built from the run's config and the
+    weights loaded strictly. The hash recorded is over the shards' hashes (the folder has no single file)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    doc = read_run_state(folder)
+    listing = doc.get("listing") or {}
+    shards = [str(n) for n in doc["files"]["G_ema"]]
+    for name in shards:
+        f = folder / name
+        info = listing.get(name) or {}
+        if Path(name).name != name or not f.is_file():
+            raise ModelLoadError(f"checkpoint file {f} is missing; copy the whole run folder")
+        if info.get("bytes") is not None and f.stat().st_size != info["bytes"]:
+            raise ModelLoadError(f"checkpoint file {f} has {f.stat().st_size} bytes, expected {info['bytes']}: it is "
+                                 "incomplete or from another save (is the run still writing it?)")
+        if info.get("sha256") and _file_sha256(f) != info["sha256"]:
+            raise ModelLoadError(f"checkpoint file {f} does not match the SHA-256 in {RUN_STATE_FILE}: damaged or "
+                                 "from another save")
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name in shards:
+            state.update(load_file(str(folder / name), device="cpu"))
+    except SafetensorError as exc:
+        raise ModelLoadError(f"a G_ema shard of {folder} is not a valid safetensors file: {exc}") from None
+    _check_finite(state, f"G_ema of {folder.name}")
+    arch, kwargs = run_init_kwargs(doc["config"])
+    config = {"format": FORMAT, "arch": arch,
+              "init_kwargs": kwargs,
+              "metadata": {"description": f"training run {folder.name} at {float(doc.get('kimg', 0)):g} kimg (G_ema)",
+                           "kimg": doc.get("kimg"), "run": folder.name}}
+    G = _build_loaded(config, state, f"{arch} G_ema of the run {folder.name}")
+    G = G.to(device).eval().requires_grad_(False)
+    digest = hashlib.sha256("".join(str((listing.get(n) or {}).get("sha256", n)) for n in shards).encode()).hexdigest()
+    return LoadedGenerator(G=G, arch=arch, config=config, source=folder, sha256=digest,
+                           metadata={**config["metadata"], **_derived_metadata(G)})
+
+
 def load_generator(path: str | Path, device: str | torch.device = "cpu") -> LoadedGenerator:
-    """Load a StyleGAN generator from .pkl (NVlabs), .safetensors/.json (ours) or .pt/.ckpt/.pth."""
+    """Load a StyleGAN generator from .pkl (NVlabs), .safetensors/.json (ours), .pt/.ckpt/.pth, or a training
+    run folder (its EMA generator; also when given the folder's state.json or a G_ema shard)."""
     path = Path(path).expanduser()
+    run = run_folder_of(path)
+    if run is not None:
+        return _load_run(run, device)
     suffix = path.suffix.lower()
     if suffix in OUR_SUFFIXES:
         weights, sidecar = _sidecar_paths(path)

@@ -121,7 +121,8 @@ def test_select_and_send_back(client):
     # the gallery's select event needs a browser click; the selection is index 0 after a job
     sent = client.predict(api_name="/send_back")
     values = {k: v for k, v in zip(["backend", "model", "seed"], sent[:3])}
-    assert values["backend"] == "stylegan" and values["seed"] == "3" and values["model"]["value"] == str(SG_UNCOND)
+    assert values["backend"] == "stylegan" and values["model"]["value"] == str(SG_UNCOND)
+    assert values["seed"]["value"] == "3" and values["seed"]["label"].startswith("Seeds")   # the field and its label
 
 
 def test_style_mix_and_interpolation(client):

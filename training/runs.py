@@ -563,6 +563,8 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
     from training.trainer import build_networks
 
     run, to = Path(run), Path(to)
+    if to.suffix not in (".safetensors", ".json"):   # 'ux-probe-0.5' is a name, not 'ux-probe-0' + a '.5' suffix
+        to = to.with_name(to.name + ".safetensors")
     doc, tensors = ckpt.load_checkpoint(run)
     cfg = TrainConfig.from_dict(doc["config"])
     G, _ = build_networks(cfg)
@@ -587,8 +589,8 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
         "recommended_truncation": 0.7,
     }
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
-    card = to.with_suffix(".md")
-    card.write_text(model_card(cfg, doc, meta, {}, weights.stat().st_size, None, name=to.stem))
+    card = weights.with_suffix(".md")
+    card.write_text(model_card(cfg, doc, meta, {}, weights.stat().st_size, None, name=weights.stem))
     return {"weights": weights, "config": weights.with_suffix(".json"), "card": card}
 
 

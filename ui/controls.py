@@ -213,6 +213,8 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
         out["backend"] = "diffusion"
         out["prompt"] = meta.get("prompt", "")
         out["negative_prompt"] = meta.get("negative_prompt", "")
+        if meta.get("model"):
+            out["model"] = str(meta["model"])       # A1111's `Model:` (the file's stem)
         if meta.get("seed") is not None:
             out["seed"] = str(meta["seed"])
         if meta.get("steps") is not None:
@@ -270,3 +272,91 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
                    compile_mode=f.compile, fp8=f.fp8, prune_amount=f.prune_amount, prune_method=f.prune_method,
                    tensorrt=f.tensorrt, memory_savers=list(f.memory))
     return out
+
+
+# -- seeds across runs: the field's value per backend, ♻ reuse, the seed a result used --------------
+DEFAULT_SEED_TEXT = {"stylegan": "0-7", "diffusion": ""}     # diffusion: empty = a fresh random seed
+SEED_LABELS = {"stylegan": "Seeds (e.g. 0-7, 42)", "diffusion": "Seed (empty = random)"}
+
+
+def seed_label(backend: str) -> str:
+    return SEED_LABELS.get(backend, SEED_LABELS["stylegan"])
+
+
+def _item_seeds(params: dict) -> list[int]:
+    if params.get("seeds"):
+        return [int(s) for s in params["seeds"]]
+    return [int(params["seed"])] if params.get("seed") is not None else []
+
+
+def last_seed_text(results_params: list[dict], backend: str, selected: int | None = None) -> str:
+    """What ♻ puts in the seed field: the seed of the selected result (else the first) for diffusion, as
+    A1111 does; the whole run's seeds for StyleGAN, whose field takes a list. Raises InputError when no
+    result carries a seed yet."""
+    if not results_params:
+        raise InputError("no image yet: generate one, then ♻ puts its seed back in the field")
+    if backend == "diffusion":
+        pick = results_params[selected] if selected is not None and 0 <= selected < len(results_params) else results_params[0]
+        seeds = _item_seeds(pick) or next((_item_seeds(p) for p in results_params if _item_seeds(p)), [])
+        if not seeds:
+            raise InputError("the last result records no seed to reuse")
+        return str(seeds[0])
+    seeds: list[int] = []
+    for p in results_params:
+        for s in _item_seeds(p):
+            if s not in seeds:
+                seeds.append(s)
+    if not seeds:
+        raise InputError("the last result records no seed to reuse")
+    return format_seeds(seeds)
+
+
+def seeds_used(results_params: list[dict]) -> str:
+    """'seed 1234' or 'seeds 1234–1237' for a result line: the seeds the images were made with
+    (a random seed is drawn when the field is empty, so the artist needs to read it somewhere)."""
+    seeds = [s for p in results_params for s in _item_seeds(p)]
+    if not seeds:
+        return ""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {format_seeds(seeds)}"
+
+
+# -- which catalogue entry a saved parameter set names --------------------------------------------
+def _names_of(entry) -> set[str]:
+    """Every way a saved parameter set may name `entry`: its id, its path (as given and resolved), the
+    file or folder name and its stem (A1111 writes `Model: v1-5-pruned-emaonly`, the stem)."""
+    from pathlib import Path
+
+    names = {entry.id}
+    for ref in (entry.id, entry.path):
+        if not ref:
+            continue
+        p = Path(ref)
+        names |= {ref, p.name, p.stem}
+        try:
+            names.add(str(p.expanduser().resolve()))
+        except (OSError, RuntimeError):
+            pass
+    return {n for n in names if n}
+
+
+def find_model(entries, name: str | None):
+    """The entry among `entries` that `name` (a catalogue id, a path, a file name or an A1111 model name)
+    refers to; None when none does. An exact id or path wins over a file-name match, so two files of the
+    same name in different folders resolve to the one the parameters name by path."""
+    if not name:
+        return None
+    name = str(name).strip()
+    for e in entries:
+        if name in (e.id, e.path):
+            return e
+    from pathlib import Path
+
+    try:
+        resolved = str(Path(name).expanduser().resolve())
+    except (OSError, RuntimeError):
+        resolved = name
+    candidates = [e for e in entries if resolved in _names_of(e) or name in _names_of(e)
+                  or Path(name).name in _names_of(e) or Path(name).stem in _names_of(e)]
+    return candidates[0] if candidates else None

@@ -31,7 +31,7 @@ from telemetry.metrics import StudioMetrics
 from ui import zerogpu
 from ui.access import redact_paths
 from ui.compare import run_comparison
-from ui.controls import JobSpec
+from ui.controls import JobSpec, seeds_used
 from ui.state import GpuQueue, ResultItem, SessionState, Ticket
 
 log = logging.getLogger("atelier.ui")
@@ -313,6 +313,8 @@ class StudioRuntime:
         n = len(items) if spec.kind != "images" else len(result.images)
         what = {"style-mix": "style-mix grid", "interpolate": "animation"}.get(spec.kind, "image" if n == 1 else "images")
         msg = f"Done: {n} {what} in {total_ms / 1000:.2f} s" if spec.kind in ("images", "diffusion") else f"Done: {what} in {total_ms / 1000:.2f} s"
+        if spec.kind == "diffusion" and items:   # a random seed (empty field) is only known from here
+            msg += f" · {seeds_used([it.params for it in items])}"
         if len(items) > MAX_GALLERY:
             msg += f" (showing the first {MAX_GALLERY}; all saved in {Path(items[0].path).parent})"
         notes = list(getattr(result, "notes", []) or []) + skipped_toggles(spec.request.flags, getattr(result, "optimizations", None))

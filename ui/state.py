@@ -86,6 +86,7 @@ class SessionState:
     selected: int | None = None
     comparison: Any = None                     # the last ui.compare.Comparison of this session
     timer_interval: float = 0.0        # what the panel's timer was last set to
+    seed_texts: dict[str, str] = field(default_factory=dict)   # the seed field's text per backend, kept across switches
 
     def __deepcopy__(self, memo):
         # gr.State deep-copies its initial value for each new session; locks cannot be copied,

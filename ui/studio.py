@@ -13,9 +13,10 @@ Serving rules:
 """
 from __future__ import annotations
 
+import functools
 import logging
-import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,11 @@ from pipelines.services import Services
 from pipelines.tools import optimization_availability
 from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
-from ui import panel, zerogpu
+from ui import history, panel, zerogpu
 from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
-from ui.controls import (DEFAULT_SCHEDULERS, MEMORY_SAVERS, SIZE_PRESETS, compare_spec, controls_from_params, job_spec,
-                         random_seed, size_label)
+from ui.controls import (DEFAULT_SCHEDULERS, DEFAULT_SEED_TEXT, MEMORY_SAVERS, SIZE_PRESETS, compare_spec,
+                         controls_from_params, find_model, job_spec, last_seed_text, random_seed, seed_label, size_label)
 from ui.runner import MAX_GALLERY, StudioRuntime
 from ui.state import SessionState, new_session
 from ui.train_tab import build_train_tab, make_manager
@@ -39,8 +40,13 @@ from ui.train_tab import build_train_tab, make_manager
 log = logging.getLogger("atelier.ui")
 ROOT = Path(__file__).resolve().parent.parent
 CSS_PATH = ROOT / "assets" / "ui.css"
+JS_PATH = ROOT / "assets" / "ui.js"
 FAST_TICK_S, SLOW_TICK_S = 0.5, 2.0      # panel refresh: about 2 Hz while a job runs, slower when idle
 MAX_UPLOAD = "25mb"
+# a second Generate (or Ctrl+Enter) while this tab's job runs: one job per tab, said rather than queued,
+# so a double press never runs the same request twice
+ALREADY_RUNNING = ("Not queued: this tab already has a job queued or running (one at a time). "
+                   "Wait for it to finish, or press Stop, then Generate again.")
 
 # every control the generate event reads, in the order of `generate`'s parameters (its API signature)
 CONTROL_NAMES = (
@@ -74,6 +80,11 @@ def make_theme() -> gr.themes.Base:
 
 def load_css() -> str:
     return CSS_PATH.read_text() if CSS_PATH.is_file() else ""
+
+
+def load_js() -> str:
+    """The page's keyboard shortcut (Ctrl/⌘+Enter = Generate) and the PNG drop on the prompt."""
+    return JS_PATH.read_text() if JS_PATH.is_file() else "() => {}"
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -176,6 +187,203 @@ def _availability(device) -> dict[str, tuple[bool, str]]:
         return {"precision": (True, "fp32")}
 
 
+NO_JOB = -1        # the ticket of a press that starts no job (Compare with every toggle off)
+
+
+def nothing_to_compare(request) -> str | None:
+    """The Compare tab's note when the request's toggles are the fp32 reference (nothing to compare), else None."""
+    from ui.compare import comparison_request
+
+    try:
+        comparison_request(request)
+    except AtelierError as exc:
+        if str(exc).startswith("Nothing to compare"):
+            return str(exc)
+        raise
+    return None
+
+
+def render_nothing_to_compare(note: str) -> str:
+    """A quiet note (not an error): nothing went wrong, there is just nothing to compare yet."""
+    import html
+
+    return f'<div class="at-empty-note" id="compare-nothing">{html.escape(note)}</div>'
+
+
+def _bound(fn, *args):
+    """`fn` with its first arguments fixed, still named (Gradio names an event's function after it)."""
+    bound = functools.partial(fn, *args)
+    bound.__name__, bound.__doc__ = fn.__name__, fn.__doc__
+    return bound
+
+
+def _owner_of(settings, sess: SessionState | None) -> str | None:
+    """Whose added models a picker lists: a visitor's own in public mode; everyone's in local mode."""
+    return sess.id if (settings.public and sess is not None) else None
+
+
+# -- event handlers (top level: each small, named and callable from a test) -------------------
+@dataclass(frozen=True)
+class StudioContext:
+    """What the top-level handlers share: the services, the runtime and a few facts about the page."""
+
+    services: Services
+    rt: StudioRuntime
+    schedulers: tuple[str, ...]
+    memory_toggle: bool                      # the memory-savers toggle exists (shown with diffusion only)
+
+    def visitor_text(self, text: str) -> str:
+        return self.rt.visitor_text(text)
+
+
+# the text fields among CONTROL_NAMES: a restored None becomes "" there
+TEXT_CONTROLS = frozenset({"seed", "truncation_cutoff", "class_index", "mix_rows", "mix_cols", "sg_mode", "prompt",
+                           "negative_prompt"})
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Control updates from saved parameters, in the order of `CONTROL_NAMES` + the two backend groups and
+    the StyleGAN tabs; `note` says what could not be restored exactly (a model this studio lacks)."""
+
+    updates: tuple
+    note: str = ""
+
+
+def restore_controls(ctx: StudioContext, meta: dict, owner: str | None = None) -> Restored:
+    """Saved parameters (a result's, a PNG's, A1111's) -> every control they name set exactly: the
+    backend, its seed field (value and label), the model the parameters name (by catalogue id, path,
+    file name or A1111 model name) or, when this studio lacks it, the backend's default with a note."""
+    try:
+        vals = controls_from_params(meta)
+    except AtelierError as exc:
+        raise gr.Error(ctx.visitor_text(str(exc))) from None
+    backend = vals.get("backend", "stylegan")
+    choices, default, picker_note = _model_choices(ctx.services, backend, owner)
+    named = vals.pop("model", None)
+    entry = find_model(ctx.services.catalogue.entries(backend, owner), named)
+    note = ""
+    if named and entry is None:
+        shown = Path(str(named)).name if ctx.services.settings.public else str(named)
+        where = (" Add it under *Add a model* to restore it exactly."
+                 if ctx.services.settings.visitor_may("add-model") else "")
+        note = (f"These parameters were made with the model '{shown}', which this studio does not have; "
+                f"the model picker shows this studio's default instead.{where}")
+    model_update = gr.Dropdown(choices=choices, value=entry.id if entry else default,
+                               info=(note or picker_note or None))
+    if "scheduler_hint" in vals:
+        vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), list(ctx.schedulers),
+                                             vals.pop("schedule_type_hint", None))
+    if backend == "diffusion":
+        vals.setdefault("seed", "")          # no seed saved: random, never the StyleGAN list left in the field
+    out = []
+    for name in CONTROL_NAMES:
+        if name == "model":
+            out.append(model_update)
+        elif name == "backend":
+            out.append(backend)
+        elif name == "seed":
+            out.append(gr.Textbox(value=str(vals["seed"]), label=seed_label(backend)) if "seed" in vals
+                       else gr.Textbox(label=seed_label(backend)))
+        elif name == "memory_savers":
+            out.append(gr.CheckboxGroup(value=vals["memory_savers"], visible=ctx.memory_toggle and backend != "stylegan")
+                       if "memory_savers" in vals else gr.CheckboxGroup(visible=ctx.memory_toggle and backend != "stylegan"))
+        elif name in vals:
+            value = vals[name]
+            out.append(("" if value is None else str(value)) if name in TEXT_CONTROLS else value)
+        else:
+            out.append(gr.skip())
+    sg = backend == "stylegan"
+    out += [gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True),
+            gr.Tabs(selected=vals["sg_mode"]) if (sg and vals.get("sg_mode")) else gr.skip()]
+    return Restored(tuple(out), note)
+
+
+def _restore(ctx: StudioContext, meta: dict, sess: SessionState | None) -> tuple:
+    restored = restore_controls(ctx, meta, _owner_of(ctx.services.settings, sess))
+    if restored.note:
+        gr.Warning(restored.note)
+    return restored.updates
+
+
+def send_back(ctx: StudioContext, sess: SessionState):
+    """Put the selected image's parameters back into the controls."""
+    item = sess.selected_item()
+    if item is None:
+        raise gr.Error("Select an image in the gallery first.")
+    return _restore(ctx, item.params, sess)
+
+
+def read_dropped_png(ctx: StudioContext, path: str | None, sess: SessionState = None):
+    """A PNG dropped on the prompt: its parameters into the controls (as PNG info → Send to controls), and
+    into the PNG info tab; the drop zone empties for the next file."""
+    if not path:
+        return (gr.skip(),) * (len(CONTROL_NAMES) + 3) + (gr.skip(), None)
+    try:
+        params = read_png_params(path)
+    except AtelierError as exc:
+        raise gr.Error(ctx.visitor_text(str(exc))) from None
+    return _restore(ctx, params, sess) + (params, None)
+
+
+def record_history(ctx: StudioContext, sess: SessionState, stored: list | None):
+    """After a job: its images go to the front of this browser's history (the last HISTORY_MAX kept)."""
+    kept = history.add(history.valid(stored, ctx.services.settings.output_dir), sess.results[:history.HISTORY_MAX])
+    return kept, history.gallery(kept)
+
+
+def show_history(ctx: StudioContext, stored: list | None):
+    """On page load: the history this browser kept, without the files that are gone."""
+    kept = history.valid(stored, ctx.services.settings.output_dir)
+    return kept, history.gallery(kept)
+
+
+def select_history(stored: list | None, evt: gr.SelectData):
+    """A history image picked: its parameters (ready for *Send parameters back*)."""
+    i = evt.index if isinstance(evt.index, int) else None
+    entries = stored or []
+    return entries[i]["params"] if i is not None and 0 <= i < len(entries) else None
+
+
+def clear_history():
+    return [], [], None
+
+
+def send_png_params(ctx: StudioContext, params: dict | None, sess: SessionState = None):
+    """PNG info's *Send to controls*: the dropped PNG's parameters into the controls."""
+    if not params:
+        raise gr.Error("Drop a PNG with parameters first.")
+    return _restore(ctx, params, sess)
+
+
+def switch_backend(services: Services, memory_toggle: bool, backend: str, seed: str, sess: SessionState = None):
+    """Show the controls of the chosen backend and its models. The seed field keeps each backend's own
+    text: StyleGAN's list comes back when you return to it, and diffusion starts empty (= random)."""
+    choices, default, note = _model_choices(services, backend, _owner_of(services.settings, sess))
+    sg = backend == "stylegan"
+    seed_text = DEFAULT_SEED_TEXT.get(backend, "")
+    if sess is not None:
+        sess.seed_texts["diffusion" if sg else "stylegan"] = seed or ""
+        seed_text = sess.seed_texts.get(backend, seed_text)
+    return (gr.Dropdown(choices=choices, value=default, info=note),
+            gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True),
+            gr.Textbox(label=seed_label(backend), value=seed_text),
+            gr.CheckboxGroup(visible=memory_toggle and not sg))
+
+
+def roll_seed() -> str:
+    """🎲: a fresh random seed in the field."""
+    return str(random_seed())
+
+
+def reuse_seed(backend: str, sess: SessionState) -> str:
+    """♻: the seed the last result used (diffusion: the selected image's; StyleGAN: the run's seeds)."""
+    try:
+        return last_seed_text([it.params for it in sess.results], backend or "stylegan", sess.selected)
+    except AtelierError as exc:
+        raise gr.Error(str(exc)) from None
+
+
 # -- the page --------------------------------------------------------------------------------
 def build_app(services: Services) -> gr.Blocks:
     rt = StudioRuntime(services)
@@ -202,6 +410,9 @@ def build_app(services: Services) -> gr.Blocks:
     with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
         # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
         session = gr.State(new_session, delete_callback=lambda s: s.cancel())
+        # this browser's results across runs and reloads (localStorage, encrypted with the studio's key)
+        history_state = gr.BrowserState([], storage_key=history.HISTORY_KEY,
+                                        secret=history.browser_secret(settings.cache_dir))
         with gr.Row(elem_id="at-header", equal_height=True):
             gr.HTML('<div class="at-logo">Atelier <span>studio</span></div>', elem_id="at-logo", scale=0, min_width=210)
             C["backend"] = gr.Radio([("StyleGAN", "stylegan"), ("Diffusion", "diffusion")], value="stylegan",
@@ -217,8 +428,10 @@ def build_app(services: Services) -> gr.Blocks:
                     # ---------------------------------------------------------------- controls
                     with gr.Column(scale=5, min_width=360, elem_id="at-controls"):
                         with gr.Row(elem_id="at-seed-row"):
-                            C["seed"] = gr.Textbox("0-7", label="Seeds (e.g. 0-7, 42)", elem_id="seed-input", scale=8)
+                            C["seed"] = gr.Textbox(DEFAULT_SEED_TEXT["stylegan"], label=seed_label("stylegan"),
+                                                   elem_id="seed-input", scale=8)
                             dice_btn = gr.Button("🎲", elem_id="seed-dice", scale=0, min_width=44, size="sm")
+                            reuse_btn = gr.Button("♻", elem_id="seed-reuse", scale=0, min_width=44, size="sm")
 
                         # StyleGAN controls
                         with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
@@ -269,6 +482,9 @@ def build_app(services: Services) -> gr.Blocks:
                         with gr.Group(visible="hidden", elem_id="diffusion-controls") as df_group:
                             C["prompt"] = gr.Textbox("", label="Prompt", lines=3, elem_id="prompt-input",
                                                      placeholder="a watercolor fox in a misty forest, soft light")
+                            # a PNG dropped on the prompt lands here (assets/ui.js) and fills the controls
+                            prompt_drop = gr.File(type="filepath", file_types=[".png", ".jpg", ".jpeg", ".webp"],
+                                                  visible="hidden", elem_id="prompt-drop-file")
                             C["negative_prompt"] = gr.Textbox("", label="Negative prompt", lines=1,
                                                               elem_id="negative-prompt-input",
                                                               placeholder="blurry, low quality")
@@ -335,6 +551,18 @@ def build_app(services: Services) -> gr.Blocks:
                                 selected_params = gr.JSON(label="Parameters of the selected image",
                                                           elem_id="selected-params",
                                                           open=False)
+                            with gr.Tab("History", id="history", elem_id="history-tab"):
+                                history_gallery = gr.Gallery(label="This browser's last results", show_label=True,
+                                                             columns=6, height=420, object_fit="contain",
+                                                             allow_preview=True, format="png",
+                                                             elem_id="history-gallery", interactive=False,
+                                                             buttons=["download", "fullscreen"])
+                                with gr.Row():
+                                    history_send_btn = gr.Button("Send parameters back", elem_id="history-send",
+                                                                 size="sm")
+                                    history_clear_btn = gr.Button("Clear history", elem_id="history-clear", size="sm")
+                                history_params = gr.JSON(label="Parameters of the selected image",
+                                                         elem_id="history-params", open=False)
                             with gr.Tab("PNG info", id="pnginfo", elem_id="pnginfo-tab"):
                                 with gr.Row():
                                     png_file = gr.File(label="PNG (Atelier or A1111)", type="filepath",
@@ -381,24 +609,11 @@ def build_app(services: Services) -> gr.Blocks:
         panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
         send_outputs = controls + [sg_group, df_group, sg_tabs]
         memory_toggle = "memory" in avail          # memory savers are diffusion-only: shown with that backend
+        ctx = StudioContext(services, rt, tuple(schedulers), memory_toggle)
 
         # -- handlers ----------------------------------------------------------------------------
         def owner_of(sess: SessionState | None) -> str | None:
-            """Whose added models a picker lists: a visitor's own in public mode; everyone's in local mode."""
-            return sess.id if (settings.public and sess is not None) else None
-
-        def switch_backend(backend: str, seed: str, sess: SessionState = None):
-            """Show the controls of the chosen backend and its models."""
-            choices, default, note = _model_choices(services, backend, owner_of(sess))
-            sg = backend == "stylegan"
-            if sg:
-                seed_update = gr.Textbox(label="Seeds (e.g. 0-7, 42)")
-            else:   # diffusion takes one seed: keep the first of a StyleGAN list
-                first = re.match(r"\s*(\d+)", seed or "")
-                seed_update = gr.Textbox(label="Seed (empty = random)", value=first.group(1) if first else "")
-            return (gr.Dropdown(choices=choices, value=default, info=note),
-                    gr.Group(visible=True if sg else "hidden"), gr.Group(visible="hidden" if sg else True), seed_update,
-                    gr.CheckboxGroup(visible=memory_toggle and not sg))
+            return _owner_of(settings, sess)
 
         def model_defaults(backend: str, model: str | None):
             """Picking a diffusion model sets its native size, steps, guidance and scheduler."""
@@ -429,9 +644,6 @@ def build_app(services: Services) -> gr.Blocks:
             choices, _default, note = _model_choices(services, backend, owner)
             return gr.Dropdown(choices=choices, value=entry.id, info=note), f"Added **{entry.id}** ({entry.source})."
 
-        def roll_seed() -> str:
-            return str(random_seed())
-
         def prepare(*values):
             """Validate at once (errors show before the job queues) and mark this session as waiting."""
             return _prepare(values, job_spec)
@@ -444,7 +656,7 @@ def build_app(services: Services) -> gr.Blocks:
             *vals, sess = values
             v = dict(zip(CONTROL_NAMES, vals))
             if sess.job is not None or sess.waiting_ticket() is not None:
-                raise gr.Error("This session already has a job queued or running: press Stop or wait for it.")
+                raise gr.Error(ALREADY_RUNNING)
             waiting, _running = rt.queue.counts()
             if settings.queue_max_size and waiting >= settings.queue_max_size:
                 raise gr.Error(f"The GPU queue is full ({waiting} jobs waiting, the limit is {settings.queue_max_size}). "
@@ -453,6 +665,8 @@ def build_app(services: Services) -> gr.Blocks:
                 spec = make_spec(v, settings.device)
             except AtelierError as exc:
                 raise gr.Error(rt.visitor_text(str(exc))) from None
+            if spec.kind == "compare" and nothing_to_compare(spec.request):
+                return gr.skip(), gr.skip(), NO_JOB      # not an error: the Compare tab says what to turn on
             ticket = rt.enqueue(sess, spec.kind)
             html = panel.render_progress(sess.tracker.snapshot(), rt.queue.position(ticket), rt.queue.counts()[0])
             sess.timer_interval = FAST_TICK_S
@@ -510,8 +724,14 @@ def build_app(services: Services) -> gr.Blocks:
                     memory_savers=None, ticket=None, sess: SessionState = None, request: gr.Request = None):
             """Run the request with the fp32 reference and with the chosen toggles; yields progress, ends with
             the two images on a slider, their difference map and a table of latency, memory and drift."""
-            spec = _spec_for_event(locals(), compare_spec, ticket, sess, request)
+            values = dict(locals())
             skip = gr.skip()
+            if ticket == NO_JOB:          # every toggle off (see prepare): a note in the tab, no job, no error
+                v = {k: val for k, val in values.items() if k in CONTROL_NAMES and val is not None}
+                note = nothing_to_compare(compare_spec(v, settings.device).request)
+                yield skip, skip, render_nothing_to_compare(note or ""), skip
+                return
+            spec = _spec_for_event(values, compare_spec, ticket, sess, request)
             for ev in rt.run(sess, spec, ticket):
                 if not ev.done:
                     yield skip, skip, skip, skip
@@ -571,41 +791,6 @@ def build_app(services: Services) -> gr.Blocks:
                 return None, gr.DownloadButton(value=None, interactive=False)
             return item.params, gr.DownloadButton(value=item.path, interactive=True)
 
-        def _apply_params(meta: dict) -> dict:
-            try:
-                vals = controls_from_params(meta)
-            except AtelierError as exc:
-                raise gr.Error(rt.visitor_text(str(exc))) from None
-            out: dict = {}
-            backend = vals.get("backend", "stylegan")
-            choices, default, note = _model_choices(services, backend)
-            model = vals.get("model") or default
-            if model and model not in [c[1] for c in choices]:
-                choices = choices + [(model, model)]
-            out[C["model"]] = gr.Dropdown(choices=choices, value=model)
-            if "scheduler_hint" in vals:
-                vals["scheduler"] = _match_scheduler(vals.pop("scheduler_hint"), schedulers,
-                                                     vals.pop("schedule_type_hint", None))
-            for name, value in vals.items():
-                if name in C and name != "model":
-                    if isinstance(C[name], gr.Textbox):       # class, ψ cutoff, seeds: text fields
-                        value = "" if value is None else str(value)
-                    out[C[name]] = value
-            sg = backend == "stylegan"
-            out[sg_group] = gr.Group(visible=True if sg else "hidden")
-            out[df_group] = gr.Group(visible="hidden" if sg else True)
-            out[C["memory_savers"]] = gr.CheckboxGroup(visible=memory_toggle and not sg)
-            if sg and vals.get("sg_mode"):
-                out[sg_tabs] = gr.Tabs(selected=vals["sg_mode"])
-            return out
-
-        def send_back(sess: SessionState):
-            """Put the selected image's parameters back into the controls."""
-            item = sess.selected_item()
-            if item is None:
-                raise gr.Error("Select an image in the gallery first.")
-            return _apply_params(item.params)
-
         def read_png_info(path: str | None):
             """Parameters embedded in a PNG (Atelier's own, or AUTOMATIC1111's 'parameters' text)."""
             if not path:
@@ -615,11 +800,6 @@ def build_app(services: Services) -> gr.Blocks:
             except AtelierError as exc:
                 raise gr.Error(rt.visitor_text(str(exc))) from None
             return path, params, None      # the drop zone empties, ready for the next file
-
-        def send_png_params(params: dict | None):
-            if not params:
-                raise gr.Error("Drop a PNG with parameters first.")
-            return _apply_params(params)
 
         def mode_setter(mode: str):
             def set_mode():
@@ -637,7 +817,7 @@ def build_app(services: Services) -> gr.Blocks:
         # -- wiring ------------------------------------------------------------------------------
         fast = dict(queue=False, show_progress="hidden")
         diffusion_knobs = [C["steps"], C["guidance"], C["size"], C["scheduler"]]
-        C["backend"].input(switch_backend, [C["backend"], C["seed"], session],
+        C["backend"].input(_bound(switch_backend, services, memory_toggle), [C["backend"], C["seed"], session],
                            [C["model"], sg_group, df_group, C["seed"], C["memory_savers"]],
                            api_name="switch_backend", **fast
                            ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
@@ -649,21 +829,27 @@ def build_app(services: Services) -> gr.Blocks:
         add_ref.submit(add_model, [add_ref, C["backend"], session], [C["model"], add_status],
                        api_name="add_model_submit", queue=False)
         dice_btn.click(roll_seed, None, C["seed"], api_name="random_seed", **fast)
+        reuse_btn.click(reuse_seed, [C["backend"], session], C["seed"], api_name="reuse_seed", **fast)
         for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
             tab.select(mode_setter(mode), None, C["sg_mode"], api_name=f"mode_{mode.replace('-', '_')}", **fast)
 
         # the click takes a place in the GPU queue (shown at once); its generate event carries that
-        # ticket, so a Stop while it waits cancels exactly this job, however many clicks follow
+        # ticket, so a Stop while it waits cancels exactly this job, however many clicks follow.
+        # It goes through Gradio's queue (its own lane, not the GPU's) because only a queued event's error
+        # reaches the page as a toast: a refused press ("Not queued: …") must say why.
+        prep = dict(concurrency_id="prepare", concurrency_limit=8, show_progress="hidden")
         gen_event = generate_btn.click(prepare, controls + [session], [progress_box, timer, ticket_box],
-                                       api_name="queue_job", **fast)
+                                       api_name="queue_job", **prep)
         gen_event.success(generate, controls + [ticket_box, session],
                           [gallery, preview, progress_box, selected_params, download_btn],
                           api_name="generate", concurrency_id="gpu", concurrency_limit=1,
                           show_progress="hidden", trigger_mode="multiple"
                           ).then(job_finished, [session, ticket_box], panel_outputs + [timer], api_name="job_finished",
-                                 **fast)
+                                 **fast
+                                 ).then(_bound(record_history, ctx), [session, history_state],
+                                        [history_state, history_gallery], api_name="record_history", **fast)
         cmp_event = compare_btn.click(prepare_compare, controls + [session], [progress_box, timer, ticket_box],
-                                      api_name="queue_compare", **fast)
+                                      api_name="queue_compare", **prep)
         cmp_event.success(compare, controls + [ticket_box, session],
                           [compare_slider, compare_diff, compare_table, progress_box],
                           api_name="compare", concurrency_id="gpu", concurrency_limit=1,
@@ -675,11 +861,25 @@ def build_app(services: Services) -> gr.Blocks:
         stop_btn.click(stop, session, progress_box, api_name="stop", **fast)
         timer.tick(telemetry, session, panel_outputs + [timer], api_name="telemetry", **fast)
         gallery.select(select_image, session, [selected_params, download_btn], api_name="select_image", **fast)
-        send_back_btn.click(send_back, session, send_outputs, api_name="send_back", **fast)
+        # queued (not in the GPU's): a model the parameters name but this studio lacks is said in a toast
+        send_back_btn.click(_bound(send_back, ctx), session, send_outputs, api_name="send_back",
+                            concurrency_id="restore", show_progress="hidden")
         png_file.upload(read_png_info, png_file, [png_preview, png_params, png_file], api_name="read_png_info",
                         concurrency_id="files", concurrency_limit=4)
-        png_send_btn.click(send_png_params, png_params, send_outputs, api_name="send_png_params", **fast)
+        png_send_btn.click(_bound(send_png_params, ctx), [png_params, session], send_outputs,
+                           api_name="send_png_params", concurrency_id="restore", show_progress="hidden")
         demo.load(page_load, session, panel_outputs + [timer], api_name="page_load", **fast)
+        demo.load(_bound(show_history, ctx), history_state, [history_state, history_gallery], api_name="show_history",
+                  **fast)
+        demo.load(None, None, None, js=load_js())
+        history_gallery.select(select_history, history_state, history_params, api_name="select_history", **fast)
+        history_send_btn.click(_bound(send_png_params, ctx), [history_params, session], send_outputs,
+                               api_name="send_history_params", concurrency_id="restore", show_progress="hidden")
+        history_clear_btn.click(clear_history, None, [history_state, history_gallery, history_params],
+                                api_name="clear_history", **fast)
+        prompt_drop.upload(_bound(read_dropped_png, ctx), [prompt_drop, session],
+                           send_outputs + [png_params, prompt_drop], api_name="read_dropped_png",
+                           concurrency_id="files", concurrency_limit=4, show_progress="hidden")
         demo.unload(page_unload)
 
     demo.queue(max_size=settings.queue_max_size, default_concurrency_limit=4)
