@@ -33,8 +33,9 @@ def test_a_request_too_large_fails_clearly_and_memory_comes_back_20_times(tmp_pa
         assert r["error"] is not None, f"round {i}: the huge request did not fail under the limit"
         assert r["error"].startswith("out of memory for this request") and "lower the batch size" in r["error"]
         assert "can't allocate memory" in r["error"] and "alloc_cpu.cpp" not in r["error"]
-        # what the failed request allocated (up to the 512 MiB allowance) is given back ...
-        assert r["rss_after_failure"] <= baseline + 64 * MiB, \
+        # what the failed request allocated (up to the 512 MiB allowance) is given back, even while its error is
+        # held (no traceback of the failure keeps its tensors) ...
+        assert r["rss_after_failure"] <= baseline + 32 * MiB, \
             f"round {i}: {(r['rss_after_failure'] - baseline) / MiB:.0f} MiB above the baseline after the failure"
         # ... and the next normal request runs as before, making the same images (same pipeline object)
         assert r["normal_images"] == 4 and r["normal_max_diff"] <= 1e-6, r
