@@ -2,7 +2,7 @@
 
 Over real HTTP against the studio started in-process with a tiny Stable Diffusion pipeline and a queue of
 Q places. A job is kept running for as long as a test needs by a real long request (16 iterations of 150
-steps, minutes on this CPU) that the test ends with POST /interrupt; every wait is on an event (a queue
+steps: 2,400 denoising steps) that the test ends with POST /interrupt; every wait is on an event (a queue
 change, a response arriving, a progress poll that sees the state) with a generous upper bound.
 """
 from __future__ import annotations

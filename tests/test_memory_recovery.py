@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 CHILD = Path(__file__).resolve().parent / "memory_child.py"
 MiB = 1 << 20
