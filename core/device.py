@@ -77,6 +77,37 @@ def peak_memory_bytes(device: torch.device) -> int:
         return 0
 
 
+# -- out of memory ------------------------------------------------------------------------------
+# What an allocation failure says when it is not torch.OutOfMemoryError: the CPU allocator under an
+# address-space limit or a full machine ("DefaultCPUAllocator: can't allocate memory"), oneDNN's scratchpad,
+# and CUDA errors raised as RuntimeError by extensions
+_OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory", "failed to allocate memory",
+             "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure (GPU or CPU), not a bug."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+
+
+def release_memory(device: torch.device | None = None) -> None:
+    """Give back what a failed request held: collect its cycles, empty the CUDA cache, and ask glibc to
+    return freed heap pages to the system (malloc_trim), so resident memory falls back to its baseline."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.empty_cache()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):          # not glibc: the allocator keeps its pages, nothing to do
+        pass
+
+
 # -- what the CPU runs fast ----------------------------------------------------------------------
 _X86_BF16 = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
 

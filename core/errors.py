@@ -21,6 +21,19 @@ class ResourceError(AtelierError):
     """Not enough memory, queue full, device unavailable."""
 
 
+class QueueFull(ResourceError):
+    """The bounded GPU queue has no free place; `retry_after_s` is a fair guess of when one frees up."""
+
+    def __init__(self, message: str, retry_after_s: int = 5):
+        super().__init__(message)
+        self.retry_after_s = int(retry_after_s)
+
+
+class OutOfMemory(ResourceError):
+    """One request needs more memory than the device (or the process's allocation limit) can give it.
+    Retrying the same request will fail again; a smaller one works."""
+
+
 class OptionalDependencyError(AtelierError):
     """A feature needs a package or hardware that is not present."""
 

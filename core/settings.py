@@ -54,6 +54,10 @@ class Settings:
     data_dirs: tuple[Path, ...] = ()                            # public mode + train: where training data may come from
     on_space: bool = False                                      # running as a Hugging Face Space (SPACE_ID set)
     warmup: bool = False                                        # load the default model and generate once at start
+    # visitors' uploads (Gradio's upload folder): deleted after this many seconds, oldest first above the cap
+    upload_ttl_s: float = 1800.0
+    upload_cap_bytes: int = 512 * 2**20
+    upload_sweep_s: float = 60.0                                # how often the upload folder is swept
 
     def __post_init__(self):
         if self.mode == "auto":
@@ -106,6 +110,10 @@ class Settings:
             kw["data_dirs"] = tuple(Path(p) for p in env["ATELIER_DATA_DIRS"].split(os.pathsep) if p)
         if env.get("ATELIER_WARMUP", "").strip().lower() in ("1", "true", "yes", "on"):
             kw["warmup"] = True
+        if env.get("ATELIER_UPLOAD_TTL_S"):
+            kw["upload_ttl_s"] = float(env["ATELIER_UPLOAD_TTL_S"])
+        if env.get("ATELIER_UPLOAD_CAP_MB"):
+            kw["upload_cap_bytes"] = int(float(env["ATELIER_UPLOAD_CAP_MB"]) * 2**20)
         if env.get("SPACE_ID"):
             kw["on_space"] = True
             kw.setdefault("host", "0.0.0.0")   # Spaces route to the container's port

@@ -146,6 +146,9 @@ class DiffusionParams:
     init_image: str | None = None       # path to an image file for image-to-image
     strength: float = 0.75
     preview_every: int = 0              # 0 = no previews
+    # a stopped job decodes the latents it had and returns them as a (noisy) partial result, as A1111 does;
+    # off by default: the studio keeps nothing of a stopped diffusion job
+    partial_on_cancel: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "seed", check_seed(self.seed))

@@ -971,8 +971,11 @@ class DiffusionPipeline:
             call.update(height=int(p.height), width=int(p.width))
         with job.stage("denoise"), torch.no_grad(), self._runtime(), fp32_noise():
             latents = view(**call).images
+        partial = False
         if state["cancelled"]:
-            return self._cancelled_result(request, job, chk, state, t0)
+            if not (p.partial_on_cancel and state["done"] > 0):
+                return self._cancelled_result(request, job, chk, state, t0)
+            partial = True           # A1111: an interrupted job decodes the latents it had
 
         # 5. decode, with the NaN guard (and the model's safety checker, if it ships one)
         with job.stage("vae_decode"), torch.no_grad():
@@ -998,10 +1001,15 @@ class DiffusionPipeline:
         latency_ms = (time.perf_counter() - t0) * 1e3
         peak = peak_memory_bytes(self.device)
         meta = self._metadata(request, chk, seeds, raw, latency_ms, peak, nsfw)
+        if partial:
+            notes.append(f"cancelled after step {state['done']} of {state['total']}; the partly denoised "
+                         f"latents were decoded, as A1111 does (a noisy image)")
+            for m in meta:
+                m["interrupted_at_step"] = state["done"]
         return GenerationResult(images=images, raw=raw.astype(np.float32, copy=False), timings_ms=dict(job.timings_ms),
                                 peak_memory_bytes=peak, device=str(self.device),
                                 dtype=str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
-                                optimizations=self.optimizations, notes=notes, metadata=meta)
+                                optimizations=self.optimizations, notes=notes, metadata=meta, cancelled=partial)
 
     def _metadata(self, request, chk: CheckedInputs, seeds, raw, latency_ms, peak, nsfw) -> list[dict]:
         p: DiffusionParams = request.params

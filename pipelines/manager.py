@@ -7,14 +7,15 @@ exceed the memory budget. There is no global "current model".
 from __future__ import annotations
 
 import gc
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import replace
 
 import torch
 
-from core.device import pick_device
-from core.errors import AtelierError, ModelLoadError, ResourceError
+from core.device import is_out_of_memory, pick_device, release_memory
+from core.errors import AtelierError, ModelLoadError, OutOfMemory
 from core.types import GenerationRequest, GenerationResult, Job
 from models.catalogue import Catalogue
 from telemetry.memory import free_device_bytes
@@ -79,6 +80,7 @@ class ModelManager:
         import time
 
         t0 = time.perf_counter()
+        oom = None
         try:
             if request.backend == "stylegan":
                 from models.stylegan import load_generator
@@ -97,13 +99,20 @@ class ModelManager:
                 pipe = diffusion.DiffusionPipeline(loaded, request.flags, device, cache_dir=self.cache_dir)
         except AtelierError:
             raise
-        except torch.cuda.OutOfMemoryError:
-            raise ResourceError(f"out of GPU memory while loading {entry.id}; close other models or use a smaller precision") from None
+        except (MemoryError, torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise ModelLoadError(f"could not load {entry.id}: {type(exc).__name__}: {exc}") from None
+            oom = _allocator_said(exc)     # raised below, outside this block: see generate()
         except ImportError as exc:
             raise ModelLoadError(f"the {request.backend} backend needs a package that is not installed "
                                  f"({exc.name or exc}); run `make setup` or pip install -r requirements.txt") from None
-        except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, EOFError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError) as exc:
             raise ModelLoadError(f"could not load {entry.id}: {type(exc).__name__}: {exc}") from None
+        if oom is not None:
+            release_memory(device)
+            where = "GPU memory" if device.type == "cuda" else "memory"
+            raise OutOfMemory(f"out of {where} while loading {entry.id} ({oom}); close other models or use a "
+                              "smaller precision")
         self.last_load_ms = (time.perf_counter() - t0) * 1e3
         return pipe
 
@@ -133,15 +142,47 @@ class ModelManager:
                 self._evict_one()
 
     def generate(self, request: GenerationRequest, job: Job | None = None) -> GenerationResult:
+        """Run `request` on its pipeline. A request too large for the device fails with OutOfMemory, with what
+        it held given back, so the next request runs as if it had not happened. If other pipelines were
+        cached on that device they are evicted and the request is tried once more first."""
         job = job or Job()
         with job.stage("load"):
             pipe = self.get(request)
-        try:
-            result = pipe.generate(request, job)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            raise ResourceError("out of GPU memory for this request: lower the batch size or image size, "
-                                "or turn on a memory saver") from None
+        for attempt in (1, 2):
+            oom = None
+            try:
+                result = pipe.generate(request, job)
+            except (MemoryError, torch.OutOfMemoryError, RuntimeError) as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                # Raised outside this block: an exception raised inside it would keep this one as its
+                # __context__, and its traceback's frames hold every tensor the failed request had made.
+                oom = _allocator_said(exc)
+            if oom is None:
+                break
+            release_memory(pipe.device)
+            if attempt == 2 or not self._evict_others(pipe):
+                where = "GPU memory" if pipe.device.type == "cuda" else "memory"
+                raise OutOfMemory(f"out of {where} for this request ({oom}): lower the batch size or image size, "
+                                  "or turn on a memory saver")
         if not result.cancelled:
             self.mark_warm(request)
         return result
+
+    def _evict_others(self, pipe) -> bool:
+        """Evict every cached pipeline on `pipe`'s device but `pipe`; True if any was."""
+        with self._lock:
+            others = [k for k, p in self._cache.items() if p is not pipe and k[3] == str(pipe.device)]
+            for k in others:
+                self._warm.discard(k)
+                del self._cache[k]
+        if others:
+            release_memory(pipe.device)
+        return bool(others)
+
+
+def _allocator_said(exc: BaseException) -> str:
+    """The allocation failure's first line, short (it names sizes, never a path)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", text)   # the CPU allocator's source line
+    return text if len(text) <= 160 else text[:157] + "..."

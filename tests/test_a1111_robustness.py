@@ -1,6 +1,6 @@
 """The /sdapi/v1 routes under hostile or sloppy input (issue 13), over real HTTP against the studio started
 in-process with the tiny Stable Diffusion pipeline: every bad body is a 422 naming the field, images are
-refused by their header's size before any pixel is decoded, img2img decodes only under its one-job lock,
+refused by their header's size before any pixel is decoded, img2img decodes only when its queue turn comes,
 and no visitor input is left on disk."""
 from __future__ import annotations
 
@@ -248,10 +248,8 @@ def test_four_concurrent_bombs_are_each_refused_and_leave_nothing(studio):
     for t in threads:
         t.join()
     assert len(results) == 4
-    for r in results:                                          # refused by size, or busy while another is refused
-        assert r.status_code in (422, 503), r.text
-        detail = r.json()["detail"]
-        assert ("144.0 megapixels" in detail) if r.status_code == 422 else ("another API job is running" in detail)
+    for r in results:                                          # each queued, then refused by its size
+        assert r.status_code == 422 and "144.0 megapixels" in r.json()["detail"], r.text
     assert files_under(out_dir) == before and not (out_dir / "api-inputs").exists()
 
 
@@ -274,17 +272,26 @@ def test_img2img_decodes_under_the_lock_and_keeps_nothing_on_disk(studio, monkey
     assert files_under(out_dir) == before and not (out_dir / "api-inputs").exists()
 
 
-def test_while_a_job_runs_img2img_is_refused_before_decoding(studio, monkeypatch):
+def test_a_queued_img2img_decodes_its_image_only_when_its_turn_comes(studio, monkeypatch):
     api = studio.atelier_a1111
+    queue = studio.atelier_runtime.queue
     calls = []
-    monkeypatch.setattr(a1111, "_b64_image", lambda data, what: calls.append(what))
-    assert api._lock.acquire(blocking=False)                   # stands in for a running job
+    real = a1111._b64_image
+    monkeypatch.setattr(a1111, "_b64_image", lambda data, what: calls.append(what) or real(data, what))
+    box = {}
+    assert api._lock.acquire(blocking=False)                   # stands in for the running API job
     try:
-        r = httpx.post(url(studio, "/img2img"), json={**BODY, "init_images": [small_init()]}, timeout=60)
+        t = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
+            url(studio, "/img2img"), json={**BODY, "init_images": [small_init()], "denoising_strength": 0.5},
+            timeout=300)))
+        t.start()
+        assert queue.wait_for(lambda waiting, running: waiting == 1, 120), queue.counts()   # queued, not refused
+        assert calls == []
     finally:
         api._lock.release()
-    assert r.status_code == 503 and "another API job is running" in r.json()["detail"], r.text
-    assert calls == []
+    t.join(300)
+    assert box["r"].status_code == 200, box["r"].text
+    assert calls == ["init_images[0]"]
 
 
 def test_auth_still_comes_first(tmp_path, sd):

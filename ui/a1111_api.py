@@ -18,11 +18,15 @@ implement (hires fix, restore faces, scripts, ...) are refused by name instead o
 Requests are checked strictly before anything runs (types: integers are integers, numbers are finite,
 strings are strings; ranges; prompt length; unknown atelier_flags) and refused with 422 and the field's name.
 Uploaded images stay in memory only and are refused by their header's size (MAX_INPUT_PIXELS) before any
-pixel is decoded; img2img decodes its image only after taking the one-job lock.
+pixel is decoded; img2img decodes its image only when its turn in the queue has come.
 
-Jobs take the studio's GPU lock and appear on its queue board and in /metrics, so an API job
-and a browser job never share the GPU. With --auth the routes want the same user and password
-(HTTP Basic), as A1111's --api-auth does.
+Requests queue as in A1111: txt2img / img2img take a place on the studio's GPU queue board (shared with
+browser jobs, bounded by the same --queue-size) before their body is read, and run one at a time in arrival
+order under the studio's GPU lock, so an API job and a browser job never share the GPU. Only a full queue
+is refused: at once, 503 with Retry-After. /progress carries the running job's live preview (a latent
+preview every PREVIEW_EVERY steps, the last finished image between iterations) as current_image, and an
+interrupted job returns what it had (its partly denoised latents decoded), as A1111 does. With --auth the
+routes want the same user and password (HTTP Basic), as A1111's --api-auth does.
 """
 from __future__ import annotations
 
@@ -35,11 +39,13 @@ import logging
 import math
 import random
 import secrets
+import statistics
 import threading
 import time
+from collections import deque
 from typing import Any
 
-from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, ResourceError
+from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, OutOfMemory, QueueFull, ResourceError
 from core.pnginfo import png_bytes, read_png_params
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, Job, OptimizationFlags
 from telemetry.live import DONE
@@ -51,6 +57,7 @@ MAX_INPUT_PIXELS = 4096 * 4096        # an uploaded image (init_images, png-info
 MAX_BODY_BYTES = 64 * 2**20           # a request body (base64 images included) is refused above this
 MAX_JSON_DEPTH = 32                   # arrays/objects nested deeper than this are refused
 MAX_NAME_CHARS = 200                  # sampler, scheduler and model names
+PREVIEW_EVERY = 10                    # A1111's default live-preview period (show_progress_every_n_steps), in steps
 INPUT_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF")   # what an uploaded image may be (no EPS, PDF, ...)
 UNSUPPORTED = {                       # A1111 fields with an effect Atelier does not have: refused when set
     "enable_hr": "hires fix", "restore_faces": "face restoration", "tiling": "seamless tiling",
@@ -318,18 +325,69 @@ def infotext(meta: dict[str, Any], sampler_label: str, model_name: str) -> str:
 
 
 class A1111Api:
-    """The routes' state: one API job at a time, its progress and its cancel token."""
+    """The routes' state: the API's place in the studio's bounded GPU queue, its running job, that job's
+    progress, live preview and cancel token.
+
+    Requests queue as in A1111: each takes a ticket on the studio's queue board (shared with browser jobs,
+    bounded by the same `--queue-size`) before its body is read, waits its turn in arrival order, then runs
+    under the studio's GPU lock. Only a full queue is refused, at once, with 503 and Retry-After."""
 
     def __init__(self, runtime):
         self.rt = runtime
         self.services = runtime.services
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # held by the one API job that runs (its init image decodes under it)
+        self._turn = threading.Condition()
+        self._line: list[int] = []             # the API's tickets in arrival order; the first one runs (next)
+        self._runs = 0                         # API jobs started so far (info.atelier_queue.run_no)
+        self._job_s: deque[float] = deque(maxlen=8)   # recent API job durations, for Retry-After
+        self._admitted: dict[int, tuple[int, float]] = {}   # ticket id -> (queue position, time) when admitted
         self.job: Job | None = None
         self.progress = {"step": 0, "total": 0, "job_no": 0, "job_count": 0}
+        self._preview_lock = threading.Lock()
+        self._preview = None                   # the running job's latest preview (PIL), None when there is none
+        self._preview_seq = 0
+        self._preview_png: tuple[int, str] | None = None   # (seq, base64 PNG): encoded once per new preview
         # A1111's POST /options state, held by this API (not the studio): the model a request that names none
         # gets (None = the catalogue's default) and the other options a client set
         self.checkpoint: str | None = None
         self.options = {k: v[0] for k, v in OPTION_CHOICES.items()}
+
+    # -- the queue ----------------------------------------------------------------------------
+    def retry_after_s(self) -> int:
+        """When a place is likely to free up: the median of the recent API jobs' durations (5 s before any)."""
+        recent = list(self._job_s)
+        return max(1, min(300, math.ceil(statistics.median(recent)))) if recent else 5
+
+    def admit(self):
+        """A place in the studio's GPU queue, or QueueFull / ResourceError at once (never waits)."""
+        if self.rt.draining.is_set():
+            raise ResourceError("the studio is shutting down and takes no new jobs")
+        limit = self.services.settings.queue_max_size
+        ticket = self.rt.queue.try_join(limit)
+        if ticket is None:
+            raise QueueFull(f"the GPU queue is full ({limit} jobs waiting, the limit set by --queue-size); "
+                            f"try again in a little while", retry_after_s=self.retry_after_s())
+        with self._turn:
+            self._line.append(ticket.id)
+            self._admitted[ticket.id] = (self.rt.queue.position(ticket) or 1, time.perf_counter())
+        return ticket
+
+    def leave(self, ticket) -> None:
+        """Give up `ticket`'s place (done, refused or failed), so the next in line runs."""
+        self.rt.queue.leave(ticket)
+        with self._turn:
+            if ticket.id in self._line:
+                self._line.remove(ticket.id)
+            self._admitted.pop(ticket.id, None)
+            self._turn.notify_all()
+
+    def _wait_turn(self, ticket) -> None:
+        """Block until `ticket` is first in the API's line (first come, first served)."""
+        with self._turn:
+            while self._line and self._line[0] != ticket.id:
+                if self.rt.draining.is_set():
+                    raise ResourceError("the studio is shutting down; this queued job was not started")
+                self._turn.wait(timeout=1.0)   # woken by leave(); the timeout only rechecks draining
 
     # -- models and options -------------------------------------------------------------------
     def model_for(self, ref: str | None) -> str | None:
@@ -406,53 +464,27 @@ class A1111Api:
                                 headers={"WWW-Authenticate": 'Basic realm="atelier"'})
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(self, body: dict, img2img: bool) -> dict:
+    def generate(self, body: dict, img2img: bool, ticket) -> dict:
+        """Run one txt2img / img2img request that holds `ticket` (from admit); always gives the ticket up."""
         from pathlib import Path
 
         from pipelines.diffusion import SCHEDULERS, resolve_scheduler_name
 
         settings = self.services.settings
-        build_request(body, img2img, settings.device)         # every field checked before the lock; nothing decoded
-        if self.rt.draining.is_set():
-            raise ResourceError("the studio is shutting down and takes no new jobs")
-        if not self._lock.acquire(blocking=False):
-            raise ResourceError("another API job is running; wait for it or POST /sdapi/v1/interrupt")
+        with self._turn:
+            position, queued_at = self._admitted.get(ticket.id, (1, time.perf_counter()))
         try:
-            # the init image is decoded (in memory, size-checked first) only by the job holding the lock
-            request, n_iter, notes = build_request(body, img2img, settings.device, decode_init=img2img)
-        except BaseException:
-            self._lock.release()
-            raise
-        request = dataclasses.replace(request, model=self.model_for(request.model))
-        p = request.params
-        ticket = self.rt.queue.join()
-        try:
-            job = Job(on_progress=self._on_progress)
-            self.job = job
-            self.progress = {"step": 0, "total": p.steps, "job_no": 0, "job_count": n_iter}
-            images, metas, timings = [], [], {}
-            with self.rt.gpu_lock:
-                self.rt.queue.start(ticket)
-                for i in range(n_iter):
-                    self.progress["job_no"] = i
-                    req = request if i == 0 else dataclasses.replace(
-                        request, params=dataclasses.replace(p, seed=(p.seed + i * p.batch_size) % (SEED_MAX + 1)))
-                    try:
-                        result = self.services.manager.generate(req, job)
-                    except Cancelled:
-                        break
-                    if result.cancelled:
-                        break
-                    images += result.images
-                    metas += result.metadata
-                    for k, v in result.timings_ms.items():
-                        timings[k] = timings.get(k, 0.0) + v
-                    notes += [n for n in result.notes if n not in notes]
-            self.rt.metrics.observe_job("diffusion", DONE if images else "stopped", timings, images=len(images))
+            build_request(body, img2img, settings.device)     # every field checked before waiting; nothing decoded
+            self._wait_turn(ticket)
+            with self._lock:
+                # the init image is decoded (in memory, size-checked first) only by the job whose turn it is
+                request, n_iter, notes = build_request(body, img2img, settings.device, decode_init=img2img)
+                request = dataclasses.replace(request, model=self.model_for(request.model))
+                images, metas, timings, run_no, waited_ms, started, stopped = self._run(request, n_iter, notes, ticket, queued_at)
         finally:
-            self.rt.queue.leave(ticket)
-            self.job = None
-            self._lock.release()
+            self.leave(ticket)
+        self._job_s.append(time.perf_counter() - started)
+        p = request.params
         canon = resolve_scheduler_name(p.scheduler)
         label = SCHEDULERS[canon].label if canon in SCHEDULERS else "Automatic"
         model_name = Path(str((metas[0].get("model") if metas else request.model) or "")).stem
@@ -474,18 +506,85 @@ class A1111Api:
                 "all_seeds": seeds, "subseed": -1, "all_subseeds": [-1] * len(images), "steps": p.steps,
                 "cfg_scale": p.guidance, "sampler_name": label, "width": p.width, "height": p.height,
                 "batch_size": p.batch_size, "sd_model_name": model_name, "infotexts": texts,
-                "interrupted": len(images) < p.batch_size * n_iter, "atelier_notes": notes,
-                "atelier_timings_ms": {k: round(v, 2) for k, v in timings.items()}, "atelier_files": saved}
+                "interrupted": stopped or len(images) < p.batch_size * n_iter, "atelier_notes": notes,
+                "atelier_timings_ms": {k: round(v, 2) for k, v in timings.items()}, "atelier_files": saved,
+                "atelier_queue": {"position": position, "waited_ms": round(waited_ms, 1), "run_no": run_no}}
         if img2img:
             info["denoising_strength"] = p.strength
         echo = {k: v for k, v in body.items() if k != "init_images"}
         return {"images": encoded, "parameters": echo, "info": json.dumps(info)}
 
+    def _run(self, request, n_iter: int, notes: list[str], ticket, queued_at: float):
+        """The job's iterations under the studio's GPU lock; a stop keeps what was made (A1111's partial result)."""
+        p = request.params
+        # A1111 previews every few steps while a job runs and, when interrupted, decodes the latents it had
+        request = dataclasses.replace(request, params=dataclasses.replace(
+            p, preview_every=min(PREVIEW_EVERY, p.steps), partial_on_cancel=True))
+        p = request.params
+        job = Job(on_progress=self._on_progress)
+        images, metas, timings = [], [], {}
+        with self.rt.gpu_lock:
+            started = time.perf_counter()
+            self.rt.queue.start(ticket)
+            self._runs += 1
+            run_no = self._runs
+            self._set_preview(None)
+            self.progress = {"step": 0, "total": p.steps, "job_no": 0, "job_count": n_iter}
+            self.job = job
+            try:
+                for i in range(n_iter):
+                    self.progress["job_no"] = i
+                    req = request if i == 0 else dataclasses.replace(
+                        request, params=dataclasses.replace(p, seed=(p.seed + i * p.batch_size) % (SEED_MAX + 1)))
+                    try:
+                        result = self.services.manager.generate(req, job)
+                    except Cancelled:
+                        break
+                    images += result.images
+                    metas += result.metadata
+                    for k, v in result.timings_ms.items():
+                        timings[k] = timings.get(k, 0.0) + v
+                    notes += [n for n in result.notes if n not in notes]
+                    if result.images:            # the last finished image is the preview until the next step's
+                        self._set_preview(result.images[-1])
+                    if result.cancelled or job.cancelled:
+                        break
+            finally:
+                self.job = None
+                self._set_preview(None)
+        outcome = DONE if images and not job.cancelled else "stopped"
+        self.rt.metrics.observe_job("diffusion", outcome, timings, images=len(images))
+        waited_ms = (started - queued_at) * 1e3
+        return images, metas, timings, run_no, waited_ms, started, job.cancelled
+
+    def _set_preview(self, image) -> None:
+        with self._preview_lock:
+            self._preview = image
+            self._preview_seq += 1
+
+    def current_image(self) -> str | None:
+        """The running job's latest preview as base64 PNG (A1111's /progress current_image), encoded once."""
+        with self._preview_lock:
+            seq, im = self._preview_seq, self._preview
+            cached = self._preview_png
+        if im is None:
+            return None
+        if cached is not None and cached[0] == seq:
+            return cached[1]
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        encoded = base64.b64encode(buf.getvalue()).decode()
+        with self._preview_lock:
+            self._preview_png = (seq, encoded)
+        return encoded
+
     def _on_progress(self, ev) -> None:
         if ev.total:
             self.progress["step"], self.progress["total"] = ev.step, ev.total
+        if ev.preview is not None:
+            self._set_preview(ev.preview)
 
-    def progress_json(self) -> dict:
+    def progress_json(self, skip_current_image: bool = False) -> dict:
         pr = self.progress
         job = self.job
         frac = 0.0
@@ -501,7 +600,8 @@ class A1111Api:
                 "state": {"job_count": pr["job_count"] if job else 0, "job_no": pr["job_no"] if job else 0,
                           "sampling_step": pr["step"] if job else 0, "sampling_steps": pr["total"] if job else 0,
                           "interrupted": bool(job and job.cancelled), "skipped": False},
-                "current_image": None, "textinfo": None}
+                "current_image": None if (skip_current_image or job is None) else self.current_image(),
+                "textinfo": None}
 
     def interrupt(self) -> None:
         job = self.job
@@ -520,10 +620,12 @@ def mount_a1111_api(demo) -> A1111Api:
     services = api.services
 
     def error(exc: Exception) -> JSONResponse:
-        status = {InputError: 422, ModelLoadError: 404, ResourceError: 503, Cancelled: 409}.get(type(exc), 500)
-        if status == 500 and isinstance(exc, AtelierError):
-            status = 400
-        return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=status)
+        # OutOfMemory before ResourceError: the same request would fail again, so it is not a 503 to retry
+        status = next((code for cls, code in ((InputError, 422), (ModelLoadError, 404), (OutOfMemory, 422),
+                                               (ResourceError, 503), (Cancelled, 409)) if isinstance(exc, cls)),
+                      400 if isinstance(exc, AtelierError) else 500)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+        return JSONResponse({"error": type(exc).__name__, "detail": str(exc)}, status_code=status, headers=headers)
 
     async def body_of(request) -> dict:
         """The JSON body, read up to MAX_BODY_BYTES (a longer one is refused while it streams in)."""
@@ -560,21 +662,28 @@ def mount_a1111_api(demo) -> A1111Api:
 
     import anyio
 
-    def busy() -> None:
-        if api._lock.locked():                      # refused before the body is even read; checked again under the lock
-            raise ResourceError("another API job is running; wait for it or POST /sdapi/v1/interrupt")
+    limiter: list = []
+
+    async def queued(request, img2img: bool):
+        """Take a queue place before reading the body (a full queue is refused at once, nothing read), then
+        wait for the turn on a thread of the API's own pool: waiting jobs never use up the server's threads."""
+        ticket = api.admit()
+        try:
+            body = await body_of(request)
+        except BaseException:
+            api.leave(ticket)
+            raise
+        if not limiter:
+            limiter.append(anyio.CapacityLimiter((services.settings.queue_max_size or 64) + 2))
+        return await anyio.to_thread.run_sync(api.generate, body, img2img, ticket, limiter=limiter[0])
 
     @route("/txt2img", "POST")
     async def txt2img(request):
-        busy()
-        body = await body_of(request)
-        return await anyio.to_thread.run_sync(api.generate, body, False)
+        return await queued(request, False)
 
     @route("/img2img", "POST")
     async def img2img(request):
-        busy()
-        body = await body_of(request)
-        return await anyio.to_thread.run_sync(api.generate, body, True)
+        return await queued(request, True)
 
     def read_info(body) -> dict:
         if not isinstance(body, dict):
@@ -617,7 +726,8 @@ def mount_a1111_api(demo) -> A1111Api:
 
     @route("/progress", "GET")
     async def progress(request):
-        return api.progress_json()
+        skip = request.query_params.get("skip_current_image", "false").lower() in ("true", "1")
+        return await anyio.to_thread.run_sync(api.progress_json, skip)     # a PNG encode: off the event loop
 
     @route("/interrupt", "POST")
     async def interrupt(request):

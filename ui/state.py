@@ -28,6 +28,7 @@ class GpuQueue:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)   # notified whenever a ticket joins, starts or leaves
         self._ids = itertools.count(1)
         self._waiting: list[int] = []
         self._running: set[int] = set()
@@ -36,6 +37,18 @@ class GpuQueue:
         with self._lock:
             t = Ticket(next(self._ids))
             self._waiting.append(t.id)
+            self._changed.notify_all()
+            return t
+
+    def try_join(self, max_waiting: int | None) -> Ticket | None:
+        """A ticket, or None at once when `max_waiting` tickets already wait (None or 0 = unbounded). One
+        check-and-join under the lock, so concurrent callers never overfill the queue."""
+        with self._lock:
+            if max_waiting and len(self._waiting) >= max_waiting:
+                return None
+            t = Ticket(next(self._ids))
+            self._waiting.append(t.id)
+            self._changed.notify_all()
             return t
 
     def start(self, ticket: Ticket) -> None:
@@ -43,12 +56,14 @@ class GpuQueue:
             if ticket.id in self._waiting:
                 self._waiting.remove(ticket.id)
             self._running.add(ticket.id)
+            self._changed.notify_all()
 
     def leave(self, ticket: Ticket) -> None:
         with self._lock:
             if ticket.id in self._waiting:
                 self._waiting.remove(ticket.id)
             self._running.discard(ticket.id)
+            self._changed.notify_all()
 
     def is_waiting(self, ticket: Ticket) -> bool:
         with self._lock:
@@ -65,6 +80,12 @@ class GpuQueue:
         """(waiting, running)."""
         with self._lock:
             return len(self._waiting), len(self._running)
+
+    def wait_for(self, predicate, timeout: float) -> bool:
+        """Block until predicate(waiting, running) holds (checked on every change) or `timeout` seconds pass;
+        returns whether it holds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(len(self._waiting), len(self._running)), timeout)
 
 
 @dataclass

@@ -984,6 +984,9 @@ def serve(services: Services, *, host: str | None = None, port: int | None = Non
     from ui.a1111_api import mount_a1111_api
 
     mount_a1111_api(demo)
+    from ui.uploads import start_upload_janitor
+
+    demo.atelier_uploads = start_upload_janitor(demo, s)   # visitors' uploads do not pile up in the temp folder
     if not quiet:
         print(startup_banner(s, demo), flush=True)
     return demo
