@@ -2,6 +2,8 @@
 # Issue 12's H200 runs: the trainer ladder, then the bundled emoji model trained in one sitting.
 #   bash scripts/h200_train.sh PART...
 #   bench        the throughput ladder (training/bench.py) on the emoji64 network -> $OUT/bench-1gpu.json
+#                (BENCH_ARGS / TRAIN_ARGS: extra trainer flags, e.g. "--cbase 8192 --cmax 256" for the wide
+#                network of the 2026-12-02 run, or "--resume training_state/emoji64" in TRAIN_ARGS)
 #   start        pick the fastest measured configuration and start training in the background
 #                (setsid: it outlives this call while the machine stays held); TRAIN_MINUTES budget
 #   wait         follow the run for WAIT_SECONDS (default 540), then copy its latest grid, log and
@@ -20,7 +22,7 @@ for part in "$@"; do
     bench)
       timeout ${BENCH_TIMEOUT:-420} python3 scripts/train_default_model.py --bench ${BENCH_SECONDS:-10} --bench-compile \
         --bench-configs ${BENCH_CONFIGS:-plain-fp32,gpu-data,tf32,bf16,channels-last,fast-ops,fast-ops-nc1,batch-x2,batch-x4,compile} \
-        --out "$RUN-bench" --no-progress 2>&1 | grep -E "^\[bench\]|Error|error" ;
+        --out "$RUN-bench" --no-progress ${BENCH_ARGS:-} 2>&1 | grep -E "^\[bench\]|Error|error" ;
       cp "$RUN-bench/bench-1gpu.json" "$OUT/" ;;
     start)
       python3 - "$RUN-bench/bench-1gpu.json" > "$RUN.choice" <<'EOF'

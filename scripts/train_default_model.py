@@ -1,18 +1,19 @@
-"""Train (a piece of) the bundled emoji model, resumably, inside a wall-clock budget.
+"""Train the bundled emoji model inside a wall-clock budget (resumable), benchmark the trainer, export.
 
-    python3 scripts/train_default_model.py --out runs/emoji64 --minutes 8.5            # first piece
-    python3 scripts/train_default_model.py --out runs/emoji64 --minutes 8.5 --resume   # every later piece
-    python3 scripts/train_default_model.py --bench 30                                  # fp32 eager vs fast, img/s
-    torchrun --standalone --nproc_per_node 2 scripts/train_default_model.py --bench 30 --bench-configs channels-last
+    python3 scripts/train_default_model.py --out runs/emoji64 --batch 256 --compile --minutes 16   # a run
+    python3 scripts/train_default_model.py --out runs/emoji64 --minutes 3 --resume     # continue it
+    python3 scripts/train_default_model.py --bench 10 --bench-compile                  # the speed ladder, img/s
+    torchrun --standalone --nproc_per_node 2 scripts/train_default_model.py --bench 30 --bench-configs fast-ops
     python3 scripts/train_default_model.py --export runs/emoji64                       # -> assets/models/emoji64.*
 
 It is `python app.py train --preset emoji64 ...` without the app: it needs only torch,
 numpy, safetensors and Pillow (no gradio, no fonttools), and reads the dataset bundled
 at assets/datasets/emoji64.npy.xz (rebuild it with scripts/build_emoji_dataset.py).
 --minutes is the budget of the whole process: training stops at a log point with
---reserve-seconds (45 s) left for the checkpoint and the sample grid. The run folder
-holds exactly 8 files (G, G_ema, D, opt_G, opt_D safetensors, state.json, log.jsonl,
-samples.png), each under 15 MiB; carry the folder into the next piece and pass --resume.
+--reserve-seconds (45 s) left for the checkpoint and the sample grid. The run folder holds
+the checkpoint (G, G_ema, D, opt_G, opt_D safetensors split below 15 MiB a file, state.json),
+log.jsonl, samples.png and snapshots/ (fp16 G_ema every 200 kimg, for scripts/emoji_metrics.py).
+scripts/h200_train.sh runs ladder, training, export and metrics on the GPU machine.
 """
 from __future__ import annotations
 

@@ -60,6 +60,18 @@ def test_emoji_preset_fits_the_shipping_budget():
     assert cfg.g_kwargs["fused_modconv_default"] == "inference_only" and cfg.snapshot_ema
 
 
+def test_cbase_cmax_set_both_networks():
+    """--cbase/--cmax as NVlabs' train.py: the 2026-12-02 H200 run's wide emoji network."""
+    ns = cli.build_parser().parse_args(["--preset", "emoji64", "--cbase", "8192", "--cmax", "256"])
+    cfg = finalize(cli.config_from_args(ns), 64)
+    assert cfg.g_kwargs["channel_max"] == cfg.d_kwargs["channel_max"] == 256
+    G, D = build_networks(cfg)
+    assert G.synthesis.b32.conv1.weight.shape[0] == 256 and G.synthesis.b64.conv1.weight.shape[0] == 128
+    assert round(sum(p.numel() for p in G.parameters()) / 1e4) == 557          # 5.57 M, as in the run's log
+    small = finalize(build_config("emoji64"), 64)
+    assert small.g_kwargs["channel_max"] == 128 and small.d_kwargs["channel_max"] == 112
+
+
 def test_countermeasures_apply_in_order_and_survive_resume(tmp_path):
     data = _data(tmp_path)
     cfg = build_config("tiny", 16, data=str(data), out=str(tmp_path / "cm"), kimg=0.064, device="cpu",

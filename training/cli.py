@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", dest="tf32", action="store_false", default=None)
     a("--no-channels-last", dest="channels_last", action="store_false", default=None)
     a("--compile", action="store_true", default=None, help="torch.compile the forward passes (slow first start)")
+    a("--cbase", type=int, default=None, help="channel base of G and D (channels = min(cbase / res, cmax))")
+    a("--cmax", type=int, default=None, help="most channels of any layer of G and D")
     a("--kernels", default=None,
       help="op formulations: auto (the measured fastest on CUDA: conv gradfix, folded up/down convs, separable "
            "FIR; the reference on the CPU), reference, or knob:choice pairs joined by '/', e.g. "
@@ -87,7 +89,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
                  "aug_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
-                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema")
+                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax")
 
 
 def config_from_args(args: argparse.Namespace):

@@ -42,6 +42,8 @@ class TrainConfig:
     arch: str = "stylegan2"                 # generator family: stylegan2 | stylegan3
     g_kwargs: dict = field(default_factory=dict)
     d_kwargs: dict = field(default_factory=dict)
+    cbase: int = 0                          # > 0: channel_base of G and D (NVlabs --cbase), over the preset's
+    cmax: int = 0                           # > 0: channel_max of G and D (NVlabs --cmax)
 
     # -- length -------------------------------------------------------------------------------
     kimg: float = 25000.0                   # stop after this many thousand real images shown to D
@@ -125,11 +127,11 @@ class TrainConfig:
 def _network_kwargs(preset: str, res: int, batch: int) -> tuple[str, dict, dict]:
     """(arch, G kwargs, D kwargs) for a preset at resolution `res`."""
     if preset == "emoji64":
-        # 256 channels from 4x4 to 32x32, 128 at 64x64 (5.6 M G, 5.9 M D parameters): the shipped
-        # fp16 G_ema is ~11 MiB, under the 16 MiB budget for bundled models; see docs/training.md.
-        g = dict(z_dim=256, w_dim=256, mapping_kwargs=dict(num_layers=2), channel_base=256 * 32,
-                 channel_max=256, num_fp16_res=0, conv_clamp=256, fused_modconv_default="inference_only")
-        d = dict(channel_base=256 * 32, channel_max=256, num_fp16_res=0, conv_clamp=256,
+        # The bundled model's network (1.92 M G, 1.27 M D parameters; fp16 G_ema 3.7 MiB). The
+        # 2026-12-02 H200 run used --cbase 8192 --cmax 256 (5.57 M / 5.85 M); docs/training.md.
+        g = dict(z_dim=256, w_dim=256, mapping_kwargs=dict(num_layers=2), channel_base=128 * 64,
+                 channel_max=128, num_fp16_res=0, conv_clamp=256, fused_modconv_default="inference_only")
+        d = dict(channel_base=112 * 64, channel_max=112, num_fp16_res=0, conv_clamp=256,
                  epilogue_kwargs=dict(mbstd_group_size=4, mbstd_num_channels=1))
         return "stylegan2", g, d
     if preset == "tiny":
@@ -173,7 +175,7 @@ def build_config(preset: str = "stylegan2", resolution: int = 0, **overrides: An
     # Preset defaults first, so explicit overrides win.
     if preset == "emoji64":
         cfg.data = "assets/datasets/emoji64.npy.xz"
-        cfg.batch = 256         # measured on an H200: 1.46x the img/s of 128, no gain at 512 (docs/training.md)
+        cfg.batch = 256         # H200, wide network: 1.46x the img/s of 128, no gain at 512 (docs/training.md)
         cfg.lr_g = cfg.lr_d = 0.0025
         cfg.r1_gamma = 0.05     # sharp glyph edges on flat white: more R1 than the auto 0.0064 keeps D smooth
         cfg.ema_kimg = 20.0
@@ -229,6 +231,11 @@ def finalize(cfg: TrainConfig, resolution: int, world_size: int = 1) -> TrainCon
         cfg.arch = arch
         cfg.g_kwargs = cfg.g_kwargs or g
         cfg.d_kwargs = cfg.d_kwargs or d
+        for kw in (cfg.g_kwargs, cfg.d_kwargs):
+            if cfg.cbase > 0:
+                kw["channel_base"] = cfg.cbase
+            if cfg.cmax > 0:
+                kw["channel_max"] = cfg.cmax
     validate(cfg, world_size)
     return cfg
 
@@ -249,6 +256,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.data_device in ("auto", "gpu", "host", "host-plain"),
          f"data_device must be auto, gpu or host; got {cfg.data_device!r}")
     need(cfg.arch in ("stylegan2", "stylegan3"), f"arch must be stylegan2 or stylegan3; got {cfg.arch!r}")
+    need(cfg.cbase >= 0 and cfg.cmax >= 0, f"--cbase and --cmax must be positive; got {cfg.cbase}, {cfg.cmax}")
+    need(cfg.cmax <= 4096 and cfg.cbase <= 2**20,
+         f"--cmax {cfg.cmax} / --cbase {cfg.cbase} are beyond any StyleGAN configuration (cmax <= 4096)")
     need(cfg.kimg > 0, f"--kimg must be positive; got {cfg.kimg}")
     need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")
     need(1 <= cfg.d_steps <= 10, f"the D:G ratio (--d-steps) must be 1..10; got {cfg.d_steps}")
