@@ -2,43 +2,31 @@
 lets the login page load and sign in, and the studio then works as usual."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.ui_helpers import running_studio
+from tests.ui_helpers import chromium, require_chromium, running_studio
 
 pytestmark = pytest.mark.browser
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip("browser tests need Debian's chromium at /usr/bin/chromium (`make test` installs it with apt)",
-                allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = require_chromium()
 
 
 def test_sign_in_through_the_guard(tmp_path, testdata):
-    with running_studio(tmp_path, auth=("ana", "s3cret-pass")) as demo, sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM),
-                                    args=["--headless", "--no-sandbox", "--disable-gpu",
-                                          "--disable-background-networking"])
-        try:
-            page = browser.new_context(viewport={"width": 1200, "height": 800}).new_page()
-            page.set_default_timeout(60_000)
-            refused: list[str] = []
-            page.on("response", lambda r: refused.append(r.url) if r.status == 401 else None)
-            page.goto(demo.local_url)
-            page.wait_for_selector("input[type=password]")
-            # what the page asked for before signing in, and got refused, is only the sign-in check itself
-            assert all("login_check" in u for u in refused), refused
-            page.locator("input[type=text], input:not([type])").first.fill("ana")
-            page.locator("input[type=password]").fill("wrong")
-            page.locator("button[type=submit], button:has-text('Login')").first.click()
-            page.wait_for_selector("text=/[Ii]ncorrect|[Ww]rong|[Ii]nvalid/")
-            page.locator("input[type=text], input:not([type])").first.fill("ana")   # the form clears itself
-            page.locator("input[type=password]").fill("s3cret-pass")
-            page.locator("button[type=submit], button:has-text('Login')").first.click()
-            page.wait_for_selector("#generate-btn")
-            page.locator("#generate-btn").click()
-            page.wait_for_function("document.querySelectorAll('#output-gallery img').length >= 1")
-        finally:
-            browser.close()
+    with running_studio(tmp_path, auth=("ana", "s3cret-pass")) as demo, chromium() as browser:
+        page = browser.new_context(viewport={"width": 1200, "height": 800}).new_page()
+        page.set_default_timeout(60_000)
+        refused: list[str] = []
+        page.on("response", lambda r: refused.append(r.url) if r.status == 401 else None)
+        page.goto(demo.local_url)
+        page.wait_for_selector("input[type=password]")
+        # what the page asked for before signing in, and got refused, is only the sign-in check itself
+        assert all("login_check" in u for u in refused), refused
+        page.locator("input[type=text], input:not([type])").first.fill("ana")
+        page.locator("input[type=password]").fill("wrong")
+        page.locator("button[type=submit], button:has-text('Login')").first.click()
+        page.wait_for_selector("text=/[Ii]ncorrect|[Ww]rong|[Ii]nvalid/")
+        page.locator("input[type=text], input:not([type])").first.fill("ana")   # the form clears itself
+        page.locator("input[type=password]").fill("s3cret-pass")
+        page.locator("button[type=submit], button:has-text('Login')").first.click()
+        page.wait_for_selector("#generate-btn")
+        page.locator("#generate-btn").click()
+        page.wait_for_function("document.querySelectorAll('#output-gallery img').length >= 1")

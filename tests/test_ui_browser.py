@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from core.pnginfo import read_png_params
-from tests.ui_helpers import running_studio, tiny_sd_folder
+from tests.ui_helpers import chromium, require_chromium, running_studio, tiny_sd_folder
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "docs" / "screenshots"
 MEM_FIGURE = re.compile(r"\d+(\.\d+)? (KiB|MiB|GiB)")
@@ -25,10 +24,7 @@ TIME_FIGURE = re.compile(r"\d+(\.\d+)? (ms|s)\b")
 STABLE_IDS = ("backend-select", "model-select", "generate-btn", "stop-btn", "seed-input", "prompt-input",
               "output-gallery", "perf-panel", "vram-readout", "latency-readout", "optimization-panel")
 
-if not CHROMIUM.exists():
-    pytest.skip("browser tests need Debian's chromium at /usr/bin/chromium (`make test` installs it with apt)",
-                allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = require_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +35,8 @@ def studio(tmp_path_factory, testdata):
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM),
-                              args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def open_page(browser, studio, query: str = ""):

@@ -9,15 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui_helpers import running_studio
+from tests.ui_helpers import chromium, require_chromium, running_studio
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip("browser tests need Debian's chromium at /usr/bin/chromium (`make test` installs it with apt)",
-                allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+sync_api = require_chromium()
 expect = sync_api.expect
 LONG = 120_000          # ms: an upper bound for a wait on a loaded 2-core machine, never a time budget
 
@@ -30,11 +26,8 @@ def studio(tmp_path_factory, testdata):
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM),
-                              args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def open_page(browser, studio, width=1400, height=900, context=None):

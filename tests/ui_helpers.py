@@ -61,3 +61,30 @@ def tiny_sd_folder(tmp_path_factory) -> Path:
         folder.parent.mkdir(parents=True, exist_ok=True)
         build_tiny_sd(folder)
     return folder
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def require_chromium():
+    """Skip the calling test module unless Debian's chromium and Playwright are here; returns playwright.sync_api."""
+    import pytest
+
+    if not CHROMIUM.exists():
+        pytest.skip("browser tests need Debian's chromium at /usr/bin/chromium (`make test` installs it with apt)",
+                    allow_module_level=True)
+    return pytest.importorskip("playwright.sync_api")
+
+
+@contextlib.contextmanager
+def chromium():
+    """A headless Chromium (Playwright), closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
+        try:
+            yield b
+        finally:
+            b.close()
