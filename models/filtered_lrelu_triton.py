@@ -131,7 +131,14 @@ def qualifies(x: torch.Tensor, up_filter, down_filter, up: int, down: int) -> bo
         return False
     tu = 1 if up_filter is None else int(up_filter.shape[0])
     td = 1 if down_filter is None else int(down_filter.shape[0])
-    return bool(configs(up, down, tu, td))
+    key = (up, down, tu, td)
+    fits = _FITS.get(key)
+    if fits is None:     # a dict, not lru_cache: Dynamo reads it as a constant when tracing a generator
+        fits = _FITS[key] = bool(configs(up, down, tu, td))
+    return fits
+
+
+_FITS: dict[tuple[int, int, int, int], bool] = {}
 
 
 def _body():
@@ -168,31 +175,33 @@ def _body():
         ua = tl.arange(0, BU)
         oa = tl.arange(0, BO)
 
+        # Index math stays 1-D; 2-D tensors come only from comparisons and pointer offsets (the
+        # interpreter checks every 2-D int32 add for overflow, which made it 2x slower).
         if HAS_UP:
             # Input window (with halo): rows iy0 + b, columns ix0 + b, b < BI (module docstring).
             ty_ = uy0 + RY
-            iy0 = ty_ // UP + QY
             remy = ty_ % UP
+            iy = ty_ // UP + QY + ia
             tx_ = ux0 + RX
-            ix0 = tx_ // UP + QX
             remx = tx_ % UP
-            iy = iy0 + ia[:, None]
-            ix = ix0 + ia[None, :]
+            ix = tx_ // UP + QX + ia
         else:
             # No upsampling filter: upsampled sample u is the padded input x[u - pad0].
-            iy = uy0 + QY + ua[:, None]
-            ix = ux0 + QX + ua[None, :]
-        ok = (iy >= 0) & (iy < H) & (ix >= 0) & (ix < W)
-        v = tl.load(x_base + iy * sH + ix * sW, mask=ok, other=0.0).to(tl.float32)
+            iy = uy0 + QY + ua
+            ix = ux0 + QX + ua
+        ok = (((iy >= 0) & (iy < H))[:, None]) & (((ix >= 0) & (ix < W))[None, :])
+        v = tl.load(x_base + (iy * sH)[:, None] + (ix * sW)[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             v = tl.where(ok, v + tl.load(bias_ptr + c).to(tl.float32), 0.0)   # never on the zero padding
 
         if HAS_UP:
             # M_up_x^T[b, a] = cu[up*b - remx - a]; M_up_y[a, b] = cu[up*b - remy - a] (gain up folded in).
-            kx = UP * ia[:, None] - remx - ua[None, :]
-            mx = tl.load(cu_ptr + kx, mask=(kx >= 0) & (kx < TU), other=0.0)
-            ky = UP * ia[None, :] - remy - ua[:, None]
-            my = tl.load(cu_ptr + ky, mask=(ky >= 0) & (ky < TU), other=0.0)
+            kx = UP * ia - remx
+            mx = tl.load(cu_ptr + kx[:, None] - ua[None, :],
+                         mask=(kx[:, None] >= ua[None, :]) & (kx[:, None] < ua[None, :] + TU), other=0.0)
+            ky = UP * ia - remy
+            my = tl.load(cu_ptr + ky[None, :] - ua[:, None],
+                         mask=(ky[None, :] >= ua[:, None]) & (ky[None, :] < ua[:, None] + TU), other=0.0)
             t = tl.dot(v, mx, input_precision=PRECISION)            # [BI, BU]: along x
             s = tl.dot(my, t, input_precision=PRECISION)            # [BU, BU]: along y
         else:
@@ -206,17 +215,18 @@ def _body():
 
         if HAS_DOWN:
             # M_down_x^T[a, o] = cd[a - o*down]; M_down_y[o, a] = cd[a - o*down].
-            kx = ua[:, None] - oa[None, :] * DOWN
-            dx = tl.load(cd_ptr + kx, mask=(kx >= 0) & (kx < TD), other=0.0)
-            ky = ua[None, :] - oa[:, None] * DOWN
-            dy = tl.load(cd_ptr + ky, mask=(ky >= 0) & (ky < TD), other=0.0)
+            od = oa * DOWN
+            dx = tl.load(cd_ptr + ua[:, None] - od[None, :],
+                         mask=(ua[:, None] >= od[None, :]) & (ua[:, None] < od[None, :] + TD), other=0.0)
+            dy = tl.load(cd_ptr + ua[None, :] - od[:, None],
+                         mask=(ua[None, :] >= od[:, None]) & (ua[None, :] < od[:, None] + TD), other=0.0)
             s = tl.dot(s, dx, input_precision=PRECISION)            # [BU, BO]
             s = tl.dot(dy, s, input_precision=PRECISION)            # [BO, BO]
 
-        jy = jy0 + oa[:, None]
-        jx = jx0 + oa[None, :]
-        live = (oa[:, None] < VO) & (oa[None, :] < VO) & (jy < Ho) & (jx < Wo)
-        y_ptrs = y_ptr + n * oN + c.to(tl.int64) * oC + jy * oH + jx * oW
+        jy = jy0 + oa
+        jx = jx0 + oa
+        live = (((oa < VO) & (jy < Ho))[:, None]) & (((oa < VO) & (jx < Wo))[None, :])
+        y_ptrs = y_ptr + n * oN + c.to(tl.int64) * oC + (jy * oH)[:, None] + (jx * oW)[None, :]
         tl.store(y_ptrs, s.to(y_ptr.dtype.element_ty), mask=live)
 
     return filtered_lrelu_kernel
