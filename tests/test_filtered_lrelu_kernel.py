@@ -227,3 +227,46 @@ def test_tiny_stylegan3_through_the_fused_kernel_gives_the_reference_image(monke
     layers = len(G.synthesis.layer_names)
     assert calls["fused"] == layers and calls["1d"] == 0      # every layer, ToRGB included, ran fused
     assert rel(got, want) < 1e-5
+
+
+# -- on the GPU: the real sizes, the tensor-core precisions, compile + CUDA graphs ----------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,up,taps,pad", [(534, 4, 24, [-6, -9, -6, -9]), (1046, 2, 12, [9, 8, 9, 8])],
+                         ids=["L10-up4", "L12-up2"])
+def test_full_size_layers_on_cuda(size, up, taps, pad):
+    """StyleGAN3-T-1024's widest calls: fp32 (tf32x3 dots) as close to float64 as fp32 is, bf16 (tf32 dots)
+    as close as bf16 rounding allows and closer than the four 1-D passes (they round each intermediate)."""
+    x = torch.randn(1, 32, size, size, device="cuda") * 2
+    fu = sg3.design_lowpass_filter(taps, 256, 128, 2048 if up == 4 else 1024).cuda()
+    fd = sg3.design_lowpass_filter(12, 256, 128, 1024).cuda()
+    b = torch.randn(32, device="cuda")
+    args = dict(up=up, down=2, padding=pad, gain=math.sqrt(2), slope=0.2, clamp=256.0)
+    with torch.no_grad():
+        for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+            xi, bi = x.to(dtype), b.to(dtype)
+            want = _reference(xi, fu, fd, bi, **args)
+            with ops.use_impl(fir="triton"):
+                got = sg3.filtered_lrelu(xi, fu, fd, bi, **args)
+            with ops.use_impl(fir="triton-1d"):
+                passes = sg3.filtered_lrelu(xi, fu, fd, bi, **args)
+            assert got.dtype == dtype and rel(got, want) < tol
+            if dtype == torch.bfloat16:
+                assert rel(got, want) < rel(passes, want)
+
+
+@pytest.mark.gpu
+def test_compiled_and_graphed_fused_op_gives_the_eager_numbers():
+    from models import kernels
+
+    kernels.resolve("fir:triton", "cuda")            # registers the ops before tracing
+    x = torch.randn(1, 16, 54, 54, device="cuda")
+    fu = sg3.design_lowpass_filter(12, 16, 8, 64).cuda()
+    b = torch.randn(16, device="cuda")
+    args = dict(up=2, down=2, padding=[9, 8, 9, 8], gain=math.sqrt(2), slope=0.2, clamp=256.0)
+    with torch.no_grad(), ops.use_impl(fir="triton"):
+        want = sg3.filtered_lrelu(x, fu, fu, b, **args)
+        f = torch.compile(lambda t: sg3.filtered_lrelu(t, fu, fu, b, **args), fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):
+            got = f(x)
+    assert rel(got, want) < 1e-6
