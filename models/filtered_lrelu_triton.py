@@ -42,8 +42,9 @@ products, ~fp32 accuracy), bf16/fp16 inputs in single "tf32" (its 10-bit mantiss
 input's). Registers: the largest live tile is BU x BU fp32 (64 x 64 = 16 KiB: 32 registers a thread at 4
 warps; 128 x 128 needs 8 warps). Compiled for sm_90 (triton 3.7, ptxas, no GPU needed:
 `scripts/fir_kernels_check.py --compile-only`) every config below uses wgmma (mma.sync for BU = 32)
-and spills nothing: fp32/tf32x3 166-231 registers a thread at BU = 64, 255 at BU = 128 (8 warps);
-bf16/tf32 80-123. The autotuner chooses among the configs `configs` lists for the case.
+and spills nothing: fp32/tf32x3 168-231 registers a thread at BU = 64, 255 at BU = 128 (8 warps);
+bf16/tf32 79-127 (215 at BU = 128); fp32/ieee (FMA dots) 255 at BU = 64. The autotuner chooses among
+the configs `configs` lists for the case.
 
 Dtypes: fp32 / bf16 / fp16 in, float32 accumulation, x's dtype out. Any strides (NCHW or
 channels_last; NCHW tiles are coalesced along W, channels_last loads are strided by C).
