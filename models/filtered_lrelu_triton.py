@@ -132,14 +132,24 @@ def qualifies(x: torch.Tensor, up_filter, down_filter, up: int, down: int) -> bo
         return False
     tu = 1 if up_filter is None else int(up_filter.shape[0])
     td = 1 if down_filter is None else int(down_filter.shape[0])
+    if torch.compiler.is_compiling():
+        return _fits(up, down, tu, td)        # plain integer loops: Dynamo folds them to a constant
     key = (up, down, tu, td)
     fits = _FITS.get(key)
-    if fits is None:     # a dict, not lru_cache: Dynamo reads it as a constant when tracing a generator
-        fits = _FITS[key] = bool(configs(up, down, tu, td))
+    if fits is None:                          # eager: a dict lookup per call after the first
+        fits = _FITS[key] = _fits(up, down, tu, td)
     return fits
 
 
 _FITS: dict[tuple[int, int, int, int], bool] = {}
+
+
+def _fits(up: int, down: int, tu: int, td: int) -> bool:
+    for bi, bu, bo, _ in _CANDIDATES:
+        bi, bu, bo = _normalize(bi, bu, bo, up, down, tu, td)
+        if valid_outputs(bi, bu, bo, up, down, tu, td) >= max(1, bo // 2):
+            return True
+    return False
 
 
 def _body():
