@@ -100,7 +100,8 @@ def _normalize(bi: int, bu: int, bo: int, up: int, down: int, tu: int, td: int) 
 
 @functools.lru_cache(maxsize=None)
 def configs(up: int, down: int, tu: int, td: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """(BI, BU, BO, VO, num_warps) for a case, best guess first (most outputs per MAC)."""
+    """(BI, BU, BO, VO, num_warps) of the tiles that fit a case (at least half of BO valid), the autotuner's
+    choices on a GPU; the first is the interpreter's and a fixed run's tile."""
     out = {}
     for bi, bu, bo, warps in _CANDIDATES:
         bi, bu, bo = _normalize(bi, bu, bo, up, down, tu, td)
@@ -326,7 +327,8 @@ def _taps(f: torch.Tensor | None, device, scale: float = 1.0) -> torch.Tensor:
 def filtered_lrelu(x: torch.Tensor, up_filter: torch.Tensor | None, down_filter: torch.Tensor | None,
                    bias: torch.Tensor | None, up: int = 1, down: int = 1, padding=(0, 0, 0, 0),
                    gain: float = 2 ** 0.5, slope: float = 0.2, clamp: float | None = None,
-                   config: tuple[int, int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   config: tuple[int, int, int, int, int] | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel launched directly (same arguments as `stylegan3.filtered_lrelu`, 1-D filters).
 
     `config` = (BI, BU, BO, VO, num_warps) fixes the tile instead of the autotuner's pick; `out` is a
