@@ -227,8 +227,12 @@ def fir1d(x: torch.Tensor, taps: torch.Tensor, dim: int, up: int = 1, down: int 
 
 
 def ensure_registered() -> None:
-    """Register the custom op now (eagerly): call before torch.compile traces code that uses it."""
+    """Register the custom ops now (eagerly): call before torch.compile traces code that uses them
+    (`atelier::fir1d` and the fused `atelier::filtered_lrelu` of models/filtered_lrelu_triton.py)."""
+    from models import filtered_lrelu_triton
+
     _registered()
+    filtered_lrelu_triton.ensure_registered()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,8 +9,9 @@ and differ only in speed. This module turns the user-facing setting into a choic
                knobs left out keep their reference choice
 
 `auto` on a CUDA GPU with Triton (measured on an H200, docs/benchmarks.md):
-    fir      triton          the FIR blurs, up/downsampling and StyleGAN3's filtered leaky ReLU as
-                             one-pass Triton kernels (eager and compiled)
+    fir      triton          the FIR blurs and up/downsampling as one-pass Triton kernels, StyleGAN3's
+                             filtered leaky ReLU as one fused kernel per output tile (eager and
+                             compiled); fir:triton-1d runs it as four 1-D passes instead (A/B)
     up       subpixel-fused  each upsampling conv and its FIR folded into one dense conv (not in
                              fp32 with TF32 off: there cuDNN picks FFT convolutions for it)
     modconv  auto            fused per-sample weights at batch 1, modulated activations above
@@ -68,7 +69,7 @@ def resolve(spec: str, device: torch.device | str, compiled: bool = False,
         fir_triton.ensure_registered()          # before torch.compile traces a call of the op
         return choice, describe(choice)
     choice = dict(parsed)
-    if choice.get("fir") == "triton":
+    if choice.get("fir") in ("triton", "triton-1d"):
         why = fir_triton.unavailable_reason(device)
         if why is not None:
             return choice, f"{describe(choice)}; fir:triton falls back to the reference here ({why})"
@@ -110,7 +111,7 @@ def resolve_training(spec: str, device: torch.device | str, precision: str = "bf
 def check_training(spec: str) -> dict[str, str] | str:
     """parse(spec), refusing what cannot train on any device (InputError); what a config validates."""
     parsed = parse(spec)
-    if isinstance(parsed, dict) and parsed.get("fir") == "triton":
-        raise InputError("fir:triton is inference-only (no gradients); for training use fir:separable, "
+    if isinstance(parsed, dict) and parsed.get("fir") in ("triton", "triton-1d"):
+        raise InputError(f"fir:{parsed['fir']} is inference-only (no gradients); for training use fir:separable, "
                          "fir:nc1 or fir:shifts")
     return parsed

@@ -514,7 +514,11 @@ class FullyConnectedLayer(torch.nn.Module):
 #                    torch.compile fuses it with its neighbours; many small kernels in eager
 #         triton     two 1-D passes of models/fir_triton.py's kernel (one read, one write per
 #                    axis, float32 sums, NCHW or channels_last); inference only: with autograd
-#                    recording, or where Triton cannot run, the grouped reference runs instead
+#                    recording, or where Triton cannot run, the grouped reference runs instead.
+#                    StyleGAN3's filtered_lrelu: one fused kernel per output tile
+#                    (models/filtered_lrelu_triton.py: up FIR, bias/lrelu/clamp, down FIR on chip)
+#         triton-1d  the same for upfirdn2d; StyleGAN3's filtered_lrelu as four 1-D Triton passes
+#                    (the path before the fused kernel, kept to A/B them on a GPU)
 #   up    conv2d_resample with up > 1 and a k x k kernel (k > 1), down = 1:
 #         transpose          strided transposed conv, then the FIR (the reference above)
 #         subpixel           the transposed conv as one dense conv with up^2 x the output
@@ -550,7 +554,7 @@ class FullyConnectedLayer(torch.nn.Module):
 # cannot run and the filter is assumed separable.
 
 IMPL_CHOICES: dict[str, tuple[str, ...]] = {
-    "fir": ("grouped", "separable", "nc1", "shifts", "triton"),
+    "fir": ("grouped", "separable", "nc1", "shifts", "triton", "triton-1d"),
     "up": ("transpose", "subpixel", "subpixel-fused", "transpose-fused", "zero-insert-fused"),
     "down": ("blur-stride", "fused-stride", "fused-s2d"),
     "grad": ("aten", "gradfix"),
@@ -736,7 +740,7 @@ def _upfirdn2d_variant(x, f, up, down, pad, flip_filter, gain) -> torch.Tensor |
     fy = fy * gain                           # the whole gain rides on one pass
     (upx, upy), (downx, downy) = up, down
     px0, px1, py0, py1 = pad
-    if kind == "triton":
+    if kind in ("triton", "triton-1d"):
         return _fir_triton(x, fx, fy, upx, upy, downx, downy, pad, flip_filter)
     if kind == "shifts":
         channels_last = _is_channels_last(x)

@@ -183,7 +183,13 @@ def filtered_lrelu(
 
     separable = all(f is None or f.ndim == 1 for f in (up_filter, down_filter))
     kind = ops._impl["fir"]
-    if separable and kind == "triton" and ops.triton_usable(x):
+    triton = separable and kind in ("triton", "triton-1d") and _triton_usable(x, bias)
+    if triton and kind == "triton" and _fused_qualifies(x, up_filter, down_filter, up, down):
+        # One kernel per output tile: no upsampled intermediate in memory (models/filtered_lrelu_triton.py).
+        from models.filtered_lrelu_triton import filtered_lrelu_op
+
+        x = filtered_lrelu_op(x, up_filter, down_filter, bias, up, down, (px0, px1, py0, py1), gain, slope, clamp)
+    elif triton:
         x = _filtered_lrelu_triton(x, up_filter, down_filter, bias, up, down, (px0, px1, py0, py1),
                                    gain, slope, clamp)
     elif separable and kind == "shifts":
@@ -194,6 +200,22 @@ def filtered_lrelu(
                                 gain, slope, clamp)
     assert x.shape[2] == out_h and x.shape[3] == out_w, (tuple(x.shape), out_h, out_w)
     return x
+
+
+def _triton_usable(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The inference-only Triton kernels may run: see ops.triton_usable; a bias that records a gradient
+    (training) also sends the op to the differentiable reference."""
+    if bias is not None and torch.is_grad_enabled() and bias.requires_grad:
+        return False
+    return ops.triton_usable(x)
+
+
+def _fused_qualifies(x, up_filter, down_filter, up, down) -> bool:
+    """The fused kernel covers the call (separable filters, up/down 1/2/4, <= 48 taps). Radial 2-D
+    filters (StyleGAN3-R's non-critical layers) never get here: they run the nc1 reference."""
+    from models.filtered_lrelu_triton import qualifies
+
+    return qualifies(x, up_filter, down_filter, up, down)
 
 
 def _taps(f: torch.Tensor | None, device: torch.device, scale: float = 1.0) -> torch.Tensor:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11's H200 runs, one part or several per device call: bash scripts/h200_stylegan.sh PART...
 #   check   the Triton kernels against the reference ops, and op timings (scripts/fir_kernels_check.py)
+#   fused   only the fused filtered_lrelu A/B: fused vs 1-D passes vs nc1 on every SG3-T-1024 call, sm_90 build
+#   sg3ab   bench sg3t-1024 at batch 1: fused filtered_lrelu (fir:triton) against the 1-D passes (fir:triton-1d)
 #   tests   the gpu-marked StyleGAN tests (log under $OUT)
 #   b1      bench sg2-1024 + sg3t-1024 at batch 1
 #   tp      bench sg2-1024 throughput batches 32/64/128 (+ sg3t-1024 at 16)
@@ -9,12 +11,18 @@
 source "$(dirname "$0")/h200_env.sh"
 B1_CONFIGS=${B1_CONFIGS:-baseline,fp32,tf32,fp16,bf16,bf16-cl,best,refops-bf16@precision=bf16+kernels=reference}
 TP_CONFIGS=${TP_CONFIGS:-baseline,bf16,bf16-cl,best}
+SG3AB_CONFIGS=${SG3AB_CONFIGS:-fp32,fp32-1d@precision=fp32+kernels=fir:triton-1d/modconv:auto,bf16,bf16-1d@precision=bf16+kernels=fir:triton-1d/up:subpixel-fused/modconv:auto,best}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-    check) timeout ${CHECK_TIMEOUT:-150} python3 scripts/fir_kernels_check.py --out "$OUT/fir.json" 2>&1 \
+    check) timeout ${CHECK_TIMEOUT:-420} python3 scripts/fir_kernels_check.py --out "$OUT/fir.json" 2>&1 \
              | grep -v "^W1\|^  warn" | tee "$OUT/check.log" | tail -30 ;;
-    tests) { timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs --durations=8 -p no:cacheprovider tests/test_kernels.py
+    fused) timeout ${FUSED_TIMEOUT:-300} python3 scripts/fir_kernels_check.py --fused-only --out "$OUT/fused.json" 2>&1 \
+             | grep -v "^W1\|^  warn" | tee "$OUT/fused.log" | tail -40 ;;
+    sg3ab) timeout ${SG3AB_TIMEOUT:-380} python3 app.py bench --workload sg3t-1024 --batches 1 --configs "$SG3AB_CONFIGS" \
+             --out "$OUT/sg3ab" --no-report --quiet --profile ${SG3AB_PROFILE:-all} ;;
+    tests) { timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs --durations=8 -p no:cacheprovider tests/test_kernels.py \
+               tests/test_filtered_lrelu_kernel.py
              timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
                tests/test_stylegan2.py tests/test_stylegan3.py tests/test_ops_variants.py tests/test_bench_gpu.py \
                -k "not diffusion and not matrix_rates"; } 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
