@@ -13,9 +13,10 @@ runs under no_grad so grad mode never causes a recompile. A test runs with
 `torch._dynamo.config.error_on_recompile = True` after warm-up to hold this.
 
 Cache: inductor's FX-graph cache and triton's kernel cache live under
-`<cache_dir>/compile/`, and after each new bucket the portable cache artifacts
-(`torch.compiler.save_cache_artifacts`) are written there too and loaded at the next start,
-so a second start skips the compile (it still traces, a few seconds instead of a minute).
+`<cache_dir>/compile/` (process-wide, set once by `configure_process`: the first cache root wins),
+and after each new bucket the portable cache artifacts (`torch.compiler.save_cache_artifacts`)
+are written under each cache root and loaded at the next start, so a second start skips the
+compile (it still traces, a few seconds instead of a minute).
 
 Status: the first call of a bucket compiles (tens of seconds for a UNet). Callers learn it
 before the call with `is_first_run(obj, shape_key)` and through `set_status_callback`, which
@@ -66,6 +67,43 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"torch.compile is not supported for {device.type} here; {where(device)}"
 
 
+_process_compile_dir: Path | None = None
+
+
+def configure_process(root: Path | str) -> Path:
+    """Set the process-wide compile settings once; returns the folder inductor and triton cache in.
+
+    These are read by inductor and triton whenever they compile, long after any request that asked for a
+    compile, so they cannot be scoped to a request; and one value is right for every request: kernels in
+    inductor's FX-graph cache and triton's cache are keyed by their content (graph, torch/triton version,
+    device), so requests with different flags share the folders without ever reading each other's entries.
+    The dynamo limits are floors that only rise: room for every shape bucket of a few cached pipelines
+    before dynamo gives up and runs a function eagerly. The first call wins: a later call with another root
+    changes nothing (its CompileCache still saves and loads its portable artifacts under its own root).
+    """
+    global _process_compile_dir
+    if _process_compile_dir is not None:
+        return _process_compile_dir
+    folder = (Path(root) / "compile").resolve()       # inductor and triton make their folders when they write
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    import torch._dynamo.config as dynamo_config
+
+    for name, floor in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024)):
+        if hasattr(dynamo_config, name):              # the names of torch >= 2.6
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), floor))
+    _process_compile_dir = folder
+    return folder
+
+
+def process_compile_dir() -> Path | None:
+    """The folder `configure_process` pointed inductor and triton at, or None before it ran."""
+    return _process_compile_dir
+
+
 class CompileCache:
     """Inductor / triton caches and portable cache artifacts under `<root>/compile/`."""
 
@@ -77,19 +115,10 @@ class CompileCache:
         return self.dir / "artifacts"
 
     def activate(self) -> int:
-        """Point inductor and triton at our folder and load saved artifacts; returns files loaded."""
+        """Make sure the process-wide compile settings are in place (`configure_process`) and load this
+        cache's saved artifacts; returns files loaded."""
+        configure_process(self.dir.parent)
         self.dir.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((self.dir / "inductor").resolve())
-        os.environ["TRITON_CACHE_DIR"] = str((self.dir / "triton").resolve())
-        import torch._inductor.config as inductor_config
-
-        inductor_config.fx_graph_cache = True
-        # Enough room for every bucket of a few cached pipelines before dynamo gives up and runs eagerly.
-        import torch._dynamo.config as dynamo_config
-
-        for name, floor in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024)):
-            if hasattr(dynamo_config, name):              # the names of torch >= 2.6
-                setattr(dynamo_config, name, max(getattr(dynamo_config, name), floor))
         return self.load_artifacts()
 
     def _prefix(self) -> str:
@@ -405,6 +434,8 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str =
     effective = mode if (mode != "reduce-overhead" or ctx.device.type == "cuda") else "default"
     details: dict = {"mode": effective, "backend": backend, "dynamic": False, "cache_dir": str(cache.dir),
                      "cache_artifacts_loaded": loaded, "buckets": {}}
+    if backend == "inductor":         # process-wide (configure_process): may be another root's folder
+        details["kernel_cache_dir"] = str(process_compile_dir())
     if effective != mode:
         details["note"] = "CUDA graphs (reduce-overhead) need a CUDA GPU; compiled in default mode"
     rep = applied("", **details)
