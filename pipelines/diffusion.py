@@ -38,7 +38,7 @@ from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, ResourceError, UnsafeModelError
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationResult, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
-from pipelines import overlap
+from pipelines import overlap, switches
 from pipelines.base import module_bytes
 from pipelines.diffusion_noise import fp32_noise
 
@@ -917,8 +917,8 @@ class DiffusionPipeline:
         runs them, without autocast: autocast would only put diffusers' deliberate fp32 islands back in half
         precision (SDXL's VAE upcast for the img2img encode, upcast attention)."""
         if str(self.optimizations.get("precision", {}).get("mode", "")).startswith("weights-"):
-            return contextlib.nullcontext()
-        return optim.runtime(self.flags, self.device)
+            return switches.scoped()
+        return switches.request_scope(self.flags, self.device)
 
     # -- the main entry point -------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, job: Job, task: str | None = None) -> GenerationResult:

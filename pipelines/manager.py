@@ -18,6 +18,7 @@ from core.device import is_out_of_memory, pick_device, release_memory
 from core.errors import AtelierError, ModelLoadError, OutOfMemory
 from core.types import GenerationRequest, GenerationResult, Job
 from models.catalogue import Catalogue
+from pipelines import switches
 from telemetry.memory import free_device_bytes
 
 
@@ -29,6 +30,8 @@ class ModelManager:
         self.budget_fraction = budget_fraction
         self.max_cached = max_cached
         self.cache_dir = cache_dir
+        # Process-wide compile settings once, now, so that no request is the one that sets them.
+        switches.configure_process(cache_dir)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._warm: set[tuple] = set()     # cached pipelines that have completed one generation (readiness)
         self._lock = threading.RLock()
@@ -146,6 +149,10 @@ class ModelManager:
         it held given back, so the next request runs as if it had not happened. If other pipelines were
         cached on that device they are evicted and the request is tried once more first."""
         job = job or Job()
+        with switches.scoped():   # whatever the request (or a library under it) switches is put back after it
+            return self._generate(request, job)
+
+    def _generate(self, request: GenerationRequest, job: Job) -> GenerationResult:
         with job.stage("load"):
             pipe = self.get(request)
         for attempt in (1, 2):

@@ -6,7 +6,6 @@ Seeds map to z exactly as NVlabs' gen_images.py does
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import Cancelled, InputError
 from core.types import GenerationRequest, GenerationResult, Job, OptimizationFlags, StyleGANParams
 from models import kernels as _kernels
-from models import ops
 from optim.report import applied, ordered
+from pipelines import switches
 from pipelines.base import image_grid, module_bytes, to_uint8_array, to_uint8_images, uint8_to_images
 import optim
 
@@ -44,11 +43,9 @@ class StyleGANPipeline:
         self.optimizations = ordered({**report, "kernels": applied(kernels_note, ops=dict(self.kernels))})
 
     def _running(self):
-        """Context for every generator call: the precision runtime and the chosen op implementations."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(optim.runtime(self.flags, self.device))
-        stack.enter_context(ops.use_impl(**self.kernels))
-        return stack
+        """Context for every generator call: the precision runtime and the chosen op implementations, inside a
+        scope that puts every process-wide switch back after the call (pipelines/switches.py)."""
+        return switches.request_scope(self.flags, self.device, ops_impl=dict(self.kernels))
 
     # -- shape/range checks before any device work ---------------------------------
     def check_inputs(self, p: StyleGANParams) -> None:
