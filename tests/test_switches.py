@@ -117,3 +117,30 @@ def test_compile_settings_are_set_once_by_the_manager(testdata, manager, tmp_pat
     assert switches.snapshot() == before
     assert switches.configure_process(tmp_path / "third") == folder
     assert switches.snapshot() == before
+
+
+def test_a_diffusion_request_between_stylegan_requests_leaks_nothing(testdata, manager, tmp_path):
+    from core.types import DiffusionParams
+    from tests.diffusion_tiny import build_tiny_sd
+
+    folder = tmp_path / "tiny-sd"
+    build_tiny_sd(folder)
+    diffusion = GenerationRequest("diffusion", str(folder),
+                                  DiffusionParams(prompt="a photo of a cat", seed=7, steps=2, width=64, height=64),
+                                  OptimizationFlags(precision="bf16", attention="math"), device="cpu")
+    fused = _request(testdata, kernels="fir:nc1")
+    reference = _request(testdata, kernels="reference")
+    seen_unet, seen_ref = [], []
+    unet = manager.get(diffusion).pipe.unet
+    hooks = [unet.register_forward_pre_hook(lambda m, a: seen_unet.append(torch.is_autocast_enabled("cpu"))),
+             _watch(manager, reference, seen_ref)]
+    try:
+        before = switches.snapshot()
+        for request in (fused, diffusion, reference):
+            manager.generate(request, Job())
+            assert switches.snapshot() == before
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen_unet and all(seen_unet)                          # the diffusion request ran under its bf16 autocast
+    assert seen_ref and all(s["ops"] == ops.DEFAULT_IMPL and not autocast for s, autocast in seen_ref)
