@@ -947,16 +947,19 @@ class DiffusionPipeline:
         state = {"done": 0, "total": 0, "cancelled": False}
         pacer = overlap.StepPacer(self.device)
 
+        asked = sampler_steps(p.steps, p.strength if chk.task == "img2img" else None)
+
         def on_step_end(pipe, i, t, kw):
             pacer.step()             # on a GPU: wait for step i-2, so progress is at most two steps early
-            total = int(getattr(pipe, "num_timesteps", 0) or p.steps)
-            state["done"], state["total"] = i + 1, total
+            done, total = step_counter(i, int(getattr(pipe, "num_timesteps", 0) or asked), asked)
+            repeat = done == state["done"]       # an extra sampler callback within the same step: no new event
+            state["done"], state["total"] = done, total
             preview = None
             k = int(p.preview_every or 0)
-            if k > 0 and ((i + 1) % k == 0 or i + 1 == total):
+            if k > 0 and not repeat and (done % k == 0 or done == total):
                 preview = latent_preview(kw["latents"], self.family, (int(p.width), int(p.height)))
             try:
-                job.step(i + 1, total, preview)
+                job.check_cancelled() if repeat else job.step(done, total, preview)
             except Cancelled:
                 state["cancelled"] = True
                 pipe._interrupt = True
@@ -1075,6 +1078,28 @@ def params_from_png(meta: dict) -> dict:
     if meta.get("model_hash"):
         out["model_hash"] = meta["model_hash"]
     return out
+
+
+def sampler_steps(steps: int, strength: float | None = None) -> int:
+    """The steps a person asked for: `steps`, or for img2img the part `strength` keeps (as diffusers and A1111)."""
+    steps = int(steps)
+    if strength is None:
+        return steps
+    return max(1, min(int(steps * float(strength)), steps))
+
+
+def step_counter(i: int, timesteps: int, asked: int) -> tuple[int, int]:
+    """(done, total) for the step counter after callback `i` of `timesteps` callbacks, counted in the steps asked for.
+
+    Some samplers call back more often than there are steps: PNDM (SD 1.x's default) once more for its warm-up,
+    Heun twice per step. The counter reads N/N for N steps either way (N only at the last callback), rising by
+    at most one per callback."""
+    total = max(1, min(int(asked), int(timesteps)))
+    n = max(1, int(timesteps))
+    if n == 1:
+        return 1, 1
+    # 1 at the first callback, N only at the last, never a jump: (N-1)/(n-1) <= 1
+    return min(total, 1 + (min(i, n - 1) * (total - 1)) // (n - 1)), total
 
 
 def defaults_for(arch: str) -> dict:

@@ -185,3 +185,16 @@ def test_compare_with_every_toggle_off_is_a_note_not_a_failure(page):
     expect(page.locator("#compare-nothing")).to_contain_text("Nothing to compare", timeout=LONG)
     assert page.locator(".toast-body.error").count() == 0           # no red error toast
     assert "failed" not in page.inner_text("#job-readout").lower()   # and no "failed" badge
+
+
+def test_a_model_added_by_folder_path_sets_its_native_size(page, tmp_path_factory):
+    from tests.ui_helpers import tiny_sd_folder
+
+    folder = tiny_sd_folder(tmp_path_factory)
+    page.locator("#backend-select label", has_text="Diffusion").click()
+    page.locator("#add-model").get_by_text("Add a model").click()
+    fill(page, "add-model-input", str(folder))
+    page.locator("#add-model-btn").click()
+    expect(page.locator("#add-model-status")).to_contain_text("Added", timeout=LONG)
+    expect(page.locator("#size-select input")).to_have_value("64×64", timeout=LONG)     # not the 512² preset
+    expect(page.locator("#steps-input input[type=number]")).to_have_value("25")

@@ -146,13 +146,21 @@ def _diffusion_defaults(services: Services, model_id: str | None) -> dict | None
     """The model's native size, steps, guidance and scheduler (SD-Turbo wants 1 step and guidance 0)."""
     if not model_id:
         return None
-    kind = next((e.kind for e in services.catalogue.entries("diffusion") if model_id in (e.id, e.path)), None)
+    entry = next((e for e in services.catalogue.entries("diffusion") if model_id in (e.id, e.path)), None)
+    if entry is None:
+        return None
     try:
+        from models.diffusion_catalogue import folder_native_size
         from pipelines.diffusion import defaults_for
 
-        return defaults_for(kind) if kind else None
+        d = defaults_for(entry.kind)
     except Exception:   # unknown architecture name or the backend is missing: keep the controls as they are
         return None
+    # a folder's own configs know its size better than its family does (a tiny test model, a 768 fine-tune of 1.5)
+    native = folder_native_size(entry.path) if entry.path and Path(entry.path).is_dir() else None
+    if native:
+        d["width"] = d["height"] = native
+    return d
 
 
 def _model_for_backend(services: Services, backend: str, model: str | None) -> str | None:
@@ -824,10 +832,13 @@ def build_app(services: Services) -> gr.Blocks:
                                   api_name="backend_model_defaults", **fast)
         C["model"].input(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name="model_defaults", **fast)
         refresh_btn.click(list_models, [C["backend"], C["model"], session], C["model"], api_name="list_models", **fast)
+        # the picker's value set by code fires no .input: the added model's native size and steps follow here
         add_btn.click(add_model, [add_ref, C["backend"], session], [C["model"], add_status], api_name="add_model",
-                      queue=False)
+                      queue=False
+                      ).success(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name=False, **fast)
         add_ref.submit(add_model, [add_ref, C["backend"], session], [C["model"], add_status],
-                       api_name="add_model_submit", queue=False)
+                       api_name="add_model_submit", queue=False
+                       ).success(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name=False, **fast)
         dice_btn.click(roll_seed, None, C["seed"], api_name="random_seed", **fast)
         reuse_btn.click(reuse_seed, [C["backend"], session], C["seed"], api_name="reuse_seed", **fast)
         for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
