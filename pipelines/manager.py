@@ -131,6 +131,17 @@ class ModelManager:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def style_layers(self, model_id: str) -> int | None:
+        """The style-layer count of a StyleGAN model that is loaded now (any flags, any device); None if none is:
+        this never loads anything."""
+        with self._lock:
+            for k, p in self._cache.items():
+                if k[0] == "stylegan" and k[1] == model_id:
+                    n = getattr(getattr(getattr(p, "loaded", None), "G", None), "num_ws", None)
+                    if isinstance(n, int) and n > 0:
+                        return n
+        return None
+
     def loaded(self) -> list[dict]:
         with self._lock:
             return [{"backend": k[0], "model": k[1], "flags": k[2].to_dict(), "device": k[3],
