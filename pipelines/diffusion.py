@@ -1152,8 +1152,10 @@ def step_counter(i: int, timesteps: int, asked: int) -> tuple[int, int]:
     return min(total, 1 + (min(i, n - 1) * (total - 1)) // (n - 1)), total
 
 
-def defaults_for(arch: str) -> dict:
-    """UI defaults for a model: its native size, steps and guidance."""
+def defaults_for(arch: str, path: str | None = None) -> dict:
+    """UI defaults for a model: its native size, steps and guidance. A diffusers folder's own configs know its
+    size better than its family does (a tiny test model, a 768 px fine-tune of SD 1.5)."""
     info = dcat.ARCH_INFO[arch]
-    return {"width": info.native_size, "height": info.native_size, "steps": info.steps, "guidance": info.guidance,
+    size = (dcat.folder_native_size(path) if path and Path(path).is_dir() else None) or info.native_size
+    return {"width": size, "height": size, "steps": info.steps, "guidance": info.guidance,
             "scheduler": info.scheduler}

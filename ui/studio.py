@@ -150,17 +150,11 @@ def _diffusion_defaults(services: Services, model_id: str | None) -> dict | None
     if entry is None:
         return None
     try:
-        from models.diffusion_catalogue import folder_native_size
         from pipelines.diffusion import defaults_for
 
-        d = defaults_for(entry.kind)
+        return defaults_for(entry.kind, entry.path)
     except Exception:   # unknown architecture name or the backend is missing: keep the controls as they are
         return None
-    # a folder's own configs know its size better than its family does (a tiny test model, a 768 fine-tune of 1.5)
-    native = folder_native_size(entry.path) if entry.path and Path(entry.path).is_dir() else None
-    if native:
-        d["width"] = d["height"] = native
-    return d
 
 
 def _model_for_backend(services: Services, backend: str, model: str | None) -> str | None:
@@ -370,15 +364,7 @@ MIX_LAYERS_UNKNOWN = 18     # the most a StyleGAN takes (1024 px); the sliders' 
 def style_layer_count(services: Services, backend: str, model: str | None) -> int | None:
     """The selected StyleGAN's style-layer count where it is known without loading anything: from an Atelier
     model's JSON or a run's config, else from the model as loaded now (an NVlabs pickle after its first run)."""
-    if backend != "stylegan":
-        return None
-    try:
-        entry = services.catalogue.resolve(model or None, "stylegan")
-    except Exception:       # an unknown name: the generate call will say so
-        return None
-    from models.stylegan import style_layers_of_file
-
-    return (style_layers_of_file(entry.path) if entry.path else None) or services.manager.style_layers(entry.id)
+    return services.manager.style_layers(model or None) if backend == "stylegan" else None
 
 
 def mix_layer_sliders(services: Services, backend: str, model: str | None, mix_from, mix_to):
