@@ -173,14 +173,17 @@ def test_cancel_stops_within_one_step_and_next_job_runs(sd, reference):
     try:
         job = Job()
 
+        at_cancel = []
+
         def cancel_at_two(ev):
             if ev.stage == "denoise" and ev.step == 2:
+                at_cancel.append(len(unet_calls))       # PNDM's first step is two UNet calls: 3 by step 2
                 job.cancel()
 
         job._on_progress = cancel_at_two
         res = generate(sd, job=job, steps=6)
         assert res.cancelled and res.images == [] and res.raw.shape == (0, 3, 64, 64)
-        assert len(unet_calls) == 2, "the UNet ran after the cancel"
+        assert at_cancel and len(unet_calls) == at_cancel[0] <= 3, "the UNet ran after the cancel"
         assert any("cancelled after step 2 of" in n for n in res.notes)
         unet_calls.clear()
         after = generate(sd, steps=3, seed=5)     # a fresh job on the same pipeline runs normally
