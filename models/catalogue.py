@@ -151,10 +151,25 @@ class Catalogue:
             e = CatalogueEntry(id=str(p), backend="stylegan", kind="stylegan", source="local", path=str(p),
                                size_bytes=p.stat().st_size)
         else:
-            e = CatalogueEntry(id=ref, backend="diffusion", kind="diffusion", source="local" if p.exists() else "hub",
-                               path=str(p) if p.exists() else None)
+            e = self._diffusion_entry(ref, p)
         self._added.append((owner, e))
         return e
+
+    @staticmethod
+    def _diffusion_entry(ref: str, p: Path) -> CatalogueEntry:
+        """A typed diffusion path as the scanner lists it (so its architecture, hence its defaults, are known);
+        a hub id, or a file the scanner does not recognise, as a plain entry."""
+        if p.exists():
+            try:
+                from models import diffusion_catalogue as dc
+
+                scanned = dc._entry_for_path(p)
+            except ImportError:
+                scanned = None
+            if scanned is not None:
+                return CatalogueEntry(**dict(scanned.to_dict(), id=ref))
+            return CatalogueEntry(id=ref, backend="diffusion", kind="diffusion", source="local", path=str(p))
+        return CatalogueEntry(id=ref, backend="diffusion", kind="diffusion", source="hub")
 
     def resolve(self, ref: str | None, backend: str) -> CatalogueEntry:
         """A catalogue id, a path, or (diffusion) a hub id -> the entry to load."""

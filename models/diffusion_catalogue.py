@@ -233,6 +233,23 @@ def detect_from_folder(folder: str | Path, name_hint: str = "") -> Detection:
     return Detection("sd2-v" if v_pred else "sd2")
 
 
+def folder_native_size(folder: str | Path) -> int | None:
+    """The resolution a diffusers folder was built for, from its configs: the UNet's latent `sample_size` times
+    the VAE's scale factor (2 ** (VAE blocks - 1), 8 in every SD model). None when the configs do not say."""
+    folder = Path(folder)
+    try:
+        unet = json.loads((folder / "unet" / "config.json").read_text())
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        sample = unet.get("sample_size")
+        sample = sample[0] if isinstance(sample, (list, tuple)) else sample
+        blocks = len(vae.get("block_out_channels") or ())
+    except (OSError, json.JSONDecodeError, AttributeError, IndexError):
+        return None
+    if not isinstance(sample, int) or sample <= 0 or blocks < 1:
+        return None
+    return sample * 2 ** (blocks - 1)
+
+
 # -- well-known hub models ----------------------------------------------------------------------
 # Sizes are the diffusers-format safetensors a download fetches (fp32 unless noted), rounded;
 # a user picks by size and licence before downloading.

@@ -229,6 +229,39 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
 # Our format: safetensors + JSON
 
 
+def style_layers(arch: str, init_kwargs: dict) -> int | None:
+    """How many ws (style layers) a generator built from `init_kwargs` takes, without building it: StyleGAN2
+    2·log2(resolution) − 2 (18 at 1024 px, 10 at 64), StyleGAN3 its synthesis layers + 2. None if unsure."""
+    try:
+        res = int(init_kwargs["img_resolution"])
+        if str(arch).startswith("stylegan3"):
+            syn = init_kwargs.get("synthesis_kwargs") or {}
+            return int(syn.get("num_layers", init_kwargs.get("num_layers", 14))) + 2
+        if str(arch).startswith("stylegan2") and res >= 4 and res & (res - 1) == 0:
+            return 2 * res.bit_length() - 4          # 2·log2(res) − 2
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def style_layers_of_file(path: str | Path) -> int | None:
+    """The style-layer count of an Atelier .safetensors model or a training run folder, from its JSON alone (the
+    sidecar's init_kwargs, the run's config); None where only the weights say (NVlabs pickles: known after load)."""
+    p = Path(path).expanduser()
+    try:
+        run = run_folder_of(p)
+        if run is not None:
+            doc = json.loads((run / RUN_STATE_FILE).read_text())
+            return style_layers(*run_init_kwargs(doc.get("config") or {}))
+        if p.suffix == ".safetensors":
+            doc = json.loads(p.with_suffix(".json").read_text())
+            if isinstance(doc, dict) and isinstance(doc.get("init_kwargs"), dict):
+                return style_layers(str(doc.get("arch", "stylegan2")), doc["init_kwargs"])
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return None
+
+
 def _sidecar_paths(path: Path) -> tuple[Path, Path]:
     """NAME.safetensors / NAME.json (either may be given)."""
     return path.with_suffix(".safetensors"), path.with_suffix(".json")

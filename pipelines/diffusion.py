@@ -199,9 +199,18 @@ def _hub_offline() -> bool:
         return True
 
 
+def _default_hub_cache() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return f"the Hugging Face cache, {constants.HF_HUB_CACHE}"
+    except ImportError:
+        return "the Hugging Face cache (HF_HOME / HF_HUB_CACHE)"
+
+
 def _load_hub(repo_id: str, dtype: torch.dtype, cache_dir: str | Path | None) -> LoadedDiffusion:
     d = _diffusers()
-    where = str(cache_dir) if cache_dir else "the standard Hugging Face cache (HF_HOME / HF_HUB_CACHE)"
+    where = str(cache_dir) if cache_dir else _default_hub_cache()
     names = [repo_id] + ([dcat.HUB_ALIASES[repo_id]] if repo_id in dcat.HUB_ALIASES else [])
     for name in names:
         folder = _cached_snapshot(name, cache_dir)
@@ -228,16 +237,45 @@ def _cached_snapshot(repo_id: str, cache_dir: str | Path | None) -> Path | None:
     return Path(folder)
 
 
+_UNREACHABLE = ("couldn't connect", "could not connect", "connection", "name or service not known", "not fully cached",
+                "outgoing traffic has been disabled", "offline", "timed out", "temporary failure in name resolution",
+                "max retries exceeded", "network is unreachable")
+
+
+def _exc_chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the errors it was raised from (diffusers wraps the hub's connection error in an OSError)."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        out.append(exc)
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
 def _hub_error_message(repo_id: str, exc: Exception, where: str) -> str:
-    name = type(exc).__name__
-    text = _first_line(exc)
-    if "RepositoryNotFound" in name or "404" in text:
-        return f"{repo_id} was not found on the Hugging Face Hub (check the spelling; private repos need `huggingface-cli login`)"
-    if "Gated" in name or "401" in text or "403" in text:
+    """What went wrong fetching `repo_id`, whole, and what to do about it."""
+    chain = _exc_chain(exc)
+    names = " ".join(type(e).__name__ for e in chain)
+    text = " ".join(str(e) for e in chain)
+    low = text.lower()
+    if "RepositoryNotFound" in names or "404" in text:
+        return (f"{repo_id} was not found on the Hugging Face Hub. Check the spelling; a private repo needs "
+                f"`huggingface-cli login` first.")
+    if "Gated" in names or "401" in text or "403" in text:
         return (f"{repo_id} is gated: accept its licence on its Hub page and log in with `huggingface-cli login`, "
-                f"then try again")
-    return (f"{repo_id} is not in the local cache ({where}) and could not be downloaded ({name}: {text}). "
-            f"Check the network, or download it elsewhere with `huggingface-cli download {repo_id}` and copy the cache.")
+                f"then try again.")
+    size = next((e.size_bytes for e in dcat.KNOWN_HUB_MODELS if e.id == repo_id and e.size_bytes), None)
+    once = f"it downloads once, about {size / 1e9:.1f} GB" if size else "it downloads once"
+    todo = (f"To use it: connect this machine to the internet and try again ({once}); or, on a machine that is "
+            f"online, run `huggingface-cli download {repo_id}` and copy the downloaded cache into {where}; "
+            f"or pick a model that is already here, or add a local diffusers folder or .safetensors checkpoint "
+            f"(Add a model, or `--model PATH`).")
+    if any(e.__class__.__name__ in ("ConnectionError", "ConnectTimeout", "LocalEntryNotFoundError",
+                                    "OfflineModeIsEnabled") for e in chain) or any(w in low for w in _UNREACHABLE):
+        return (f"{repo_id} is not downloaded yet (it is not in the local cache, {where}) and the Hugging Face "
+                f"Hub cannot be reached from this machine. {todo}")
+    return (f"{repo_id} is not in the local cache ({where}) and could not be downloaded "
+            f"({type(exc).__name__}: {_first_line(exc)}). {todo}")
 
 
 def _param_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -253,9 +291,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The error's first line; a long one shortened at a sentence (or else a word) end, never mid-word."""
     s = str(exc).strip().splitlines()
-    return s[0][:300] if s else type(exc).__name__
+    return _shorten(s[0], limit) if s else type(exc).__name__
+
+
+def _shorten(text: str, limit: int) -> str:
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    stop = max(head.rfind(". "), head.rfind("; "), head.rfind(": "))
+    if stop >= limit // 2:
+        return head[:stop + 1].rstrip(":;") + " …"
+    return head[:head.rfind(" ")].rstrip(" ,;:(") + " …" if " " in head else head + "…"
 
 
 # -- single files --------------------------------------------------------------------------------------
@@ -289,7 +339,7 @@ def _torch_load_weights_only(path: Path) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as exc:
         raise UnsafeModelError(
             f"{path.name} holds Python objects besides tensors and was refused: unpickling them could run code "
-            f"({_first_line(exc)[:160]}). Use the model's .safetensors release, or convert the file with a tool you trust."
+            f"({_first_line(exc, 160)}). Use the model's .safetensors release, or convert the file with a tool you trust."
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
         raise ModelLoadError(f"{path.name} is not a readable PyTorch checkpoint ({_first_line(exc)}); "
@@ -947,16 +997,19 @@ class DiffusionPipeline:
         state = {"done": 0, "total": 0, "cancelled": False}
         pacer = overlap.StepPacer(self.device)
 
+        asked = sampler_steps(p.steps, p.strength if chk.task == "img2img" else None)
+
         def on_step_end(pipe, i, t, kw):
             pacer.step()             # on a GPU: wait for step i-2, so progress is at most two steps early
-            total = int(getattr(pipe, "num_timesteps", 0) or p.steps)
-            state["done"], state["total"] = i + 1, total
+            done, total = step_counter(i, int(getattr(pipe, "num_timesteps", 0) or asked), asked)
+            repeat = done == state["done"]       # an extra sampler callback within the same step: no new event
+            state["done"], state["total"] = done, total
             preview = None
             k = int(p.preview_every or 0)
-            if k > 0 and ((i + 1) % k == 0 or i + 1 == total):
+            if k > 0 and not repeat and (done % k == 0 or done == total):
                 preview = latent_preview(kw["latents"], self.family, (int(p.width), int(p.height)))
             try:
-                job.step(i + 1, total, preview)
+                job.check_cancelled() if repeat else job.step(done, total, preview)
             except Cancelled:
                 state["cancelled"] = True
                 pipe._interrupt = True
@@ -1077,8 +1130,32 @@ def params_from_png(meta: dict) -> dict:
     return out
 
 
-def defaults_for(arch: str) -> dict:
-    """UI defaults for a model: its native size, steps and guidance."""
+def sampler_steps(steps: int, strength: float | None = None) -> int:
+    """The steps a person asked for: `steps`, or for img2img the part `strength` keeps (as diffusers and A1111)."""
+    steps = int(steps)
+    if strength is None:
+        return steps
+    return max(1, min(int(steps * float(strength)), steps))
+
+
+def step_counter(i: int, timesteps: int, asked: int) -> tuple[int, int]:
+    """(done, total) for the step counter after callback `i` of `timesteps` callbacks, counted in the steps asked for.
+
+    Some samplers call back more often than there are steps: PNDM (SD 1.x's default) once more for its warm-up,
+    Heun twice per step. The counter reads N/N for N steps either way (N only at the last callback), rising by
+    at most one per callback."""
+    total = max(1, min(int(asked), int(timesteps)))
+    n = max(1, int(timesteps))
+    if n == 1:
+        return 1, 1
+    # 1 at the first callback, N only at the last, never a jump: (N-1)/(n-1) <= 1
+    return min(total, 1 + (min(i, n - 1) * (total - 1)) // (n - 1)), total
+
+
+def defaults_for(arch: str, path: str | None = None) -> dict:
+    """UI defaults for a model: its native size, steps and guidance. A diffusers folder's own configs know its
+    size better than its family does (a tiny test model, a 768 px fine-tune of SD 1.5)."""
     info = dcat.ARCH_INFO[arch]
-    return {"width": info.native_size, "height": info.native_size, "steps": info.steps, "guidance": info.guidance,
+    size = (dcat.folder_native_size(path) if path and Path(path).is_dir() else None) or info.native_size
+    return {"width": size, "height": size, "steps": info.steps, "guidance": info.guidance,
             "scheduler": info.scheduler}

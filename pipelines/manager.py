@@ -134,6 +134,27 @@ class ModelManager:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def style_layers(self, ref: str | None) -> int | None:
+        """The style-layer count of a StyleGAN model, never loading it: from an Atelier model's JSON or a run's
+        config, else from the model as loaded now (any flags, any device; an NVlabs pickle after its first run)."""
+        from models.stylegan import style_layers_of_file
+
+        try:
+            entry = self.catalogue.resolve(ref, "stylegan")
+        except Exception:       # an unknown name: the generate call will say so
+            return None
+        n = style_layers_of_file(entry.path) if entry.path else None
+        return n or self._loaded_style_layers(entry.id)
+
+    def _loaded_style_layers(self, model_id: str) -> int | None:
+        with self._lock:
+            for k, p in self._cache.items():
+                if k[0] == "stylegan" and k[1] == model_id:
+                    n = getattr(getattr(getattr(p, "loaded", None), "G", None), "num_ws", None)
+                    if isinstance(n, int) and n > 0:
+                        return n
+        return None
+
     def loaded(self) -> list[dict]:
         with self._lock:
             return [{"backend": k[0], "model": k[1], "flags": k[2].to_dict(), "device": k[3],

@@ -160,7 +160,7 @@ def test_progress_reports_every_step_with_previews(sd):
     job = Job(on_progress=events.append)
     res = generate(sd, job=job, steps=5, preview_every=2)
     steps = [e.step for e in events if e.stage == "denoise"]
-    assert steps == list(range(1, len(steps) + 1)) and steps[-1] == events[-1].total
+    assert steps == [1, 2, 3, 4, 5] and events[-1].total == 5     # N/N for N steps (PNDM calls back N+1 times)
     previews = [e for e in events if e.preview is not None]
     assert [e.step for e in previews] == [s for s in steps if s % 2 == 0 or s == steps[-1]]
     assert all(isinstance(e.preview, Image.Image) and e.preview.size == (64, 64) for e in previews)
@@ -173,14 +173,17 @@ def test_cancel_stops_within_one_step_and_next_job_runs(sd, reference):
     try:
         job = Job()
 
+        at_cancel = []
+
         def cancel_at_two(ev):
             if ev.stage == "denoise" and ev.step == 2:
+                at_cancel.append(len(unet_calls))       # PNDM's first step is two UNet calls: 3 by step 2
                 job.cancel()
 
         job._on_progress = cancel_at_two
         res = generate(sd, job=job, steps=6)
         assert res.cancelled and res.images == [] and res.raw.shape == (0, 3, 64, 64)
-        assert len(unet_calls) == 2, "the UNet ran after the cancel"
+        assert at_cancel and len(unet_calls) == at_cancel[0] <= 3, "the UNet ran after the cancel"
         assert any("cancelled after step 2 of" in n for n in res.notes)
         unet_calls.clear()
         after = generate(sd, steps=3, seed=5)     # a fresh job on the same pipeline runs normally
@@ -351,3 +354,25 @@ def test_a1111_png_parameters_map_to_our_names(testdata):
     p = params_from_png(read_png_params(testdata / "pnginfo" / "a1111_v1_6.png"))
     assert p["scheduler"] == "dpm++2m-karras" and p["seed"] == 1234567890 and p["guidance"] == 6.5
     DiffusionParams(**{k: v for k, v in p.items() if k not in ("model", "model_hash")})
+
+
+def test_the_step_counter_reads_the_steps_asked_for_whatever_the_sampler_calls_back():
+    from pipelines.diffusion import sampler_steps, step_counter
+
+    for asked, callbacks in ((25, 26), (25, 49), (4, 4), (1, 2), (3, 1)):     # PNDM, Heun, Euler, ...
+        seen = [step_counter(i, callbacks, asked) for i in range(callbacks)]
+        total = min(asked, callbacks)
+        assert {t for _, t in seen} == {total}
+        done = [d for d, _ in seen]
+        assert done[0] == 1 and done[-1] == total
+        assert total == 1 or done.count(total) == 1                                  # N only at the last callback
+        assert all(0 <= b - a <= 1 for a, b in zip(done, done[1:]))                # never a jump, never back
+    assert sampler_steps(25) == 25 and sampler_steps(25, 0.5) == 12 and sampler_steps(3, 0.1) == 1
+
+
+@pytest.mark.parametrize("scheduler", ["default", "heun"])    # PNDM: N+1 callbacks; Heun: 2N-1
+def test_a_real_run_counts_n_of_n_steps(sd, scheduler):
+    events = []
+    generate(sd, job=Job(on_progress=events.append), steps=4, scheduler=scheduler)
+    denoise = [(e.step, e.total) for e in events if e.stage == "denoise"]
+    assert denoise == [(1, 4), (2, 4), (3, 4), (4, 4)], denoise

@@ -227,3 +227,47 @@ def test_the_startup_banner_names_our_share_flag_not_gradios_launch_argument():
     text = studio.startup_banner(Settings(), Served())
     assert "--share" in text and "share=True" not in text and "launch()" not in text
     assert "http://127.0.0.1:7860/" in text
+
+
+# -- style mixing's layer range follows the model --------------------------------------------------------------
+
+def test_style_layer_counts_from_configs_without_loading():
+    from models.stylegan import style_layers, style_layers_of_file
+
+    assert style_layers("stylegan2", {"img_resolution": 1024}) == 18
+    assert style_layers("stylegan2", {"img_resolution": 64}) == 10
+    assert style_layers("stylegan3", {"img_resolution": 256, "synthesis_kwargs": {"num_layers": 10}}) == 12
+    assert style_layers("stylegan2", {"img_resolution": 48}) is None            # not a StyleGAN2 size: unknown
+    assert style_layers_of_file(studio.Path(__file__).parent.parent / "assets/models/emoji64.safetensors") == 10
+    assert style_layers_of_file(SG_UNCOND) is None                               # a pickle says only once loaded
+
+
+def _slider(update) -> dict:
+    return update if isinstance(update, dict) else {"maximum": update.maximum, "value": update.value}
+
+
+def test_mix_sliders_span_the_models_layers_a_pickle_after_its_first_run(services):
+    from core.types import GenerationRequest, StyleGANParams
+
+    bundled = str(studio.Path(__file__).parent.parent / "assets/models/emoji64.safetensors")
+    lo, hi = studio.mix_layer_sliders(services, "stylegan", bundled, 0, 12)
+    assert (_slider(lo)["maximum"], _slider(hi)["maximum"], _slider(hi)["value"]) == (9, 10, 10)   # 10 layers
+    skip = studio.mix_layer_sliders(services, "stylegan", str(SG_UNCOND), 0, 6)
+    assert skip == (gr.skip(), gr.skip())                                         # not loaded: range unchanged
+    services.manager.generate(GenerationRequest("stylegan", str(SG_UNCOND), StyleGANParams(seeds=(0,)),
+                                                device="cpu"))
+    lo, hi = studio.mix_layer_sliders(services, "stylegan", str(SG_UNCOND), 7, 12)
+    assert (_slider(lo)["maximum"], _slider(hi)["maximum"]) == (7, 8)             # 32 px StyleGAN2: 8 layers
+    assert (_slider(lo)["value"], _slider(hi)["value"]) == (7, 8)                 # values kept inside the range
+    assert studio.mix_layer_sliders(services, "diffusion", "x", 0, 6) == (gr.skip(), gr.skip())
+
+
+def test_a_diffusion_call_carrying_the_pages_stylegan_seed_gets_a_random_one():
+    """gradio_client sends the seed field's initial value, StyleGAN's 0-7, when a diffusion call names no seed."""
+    from ui.controls import job_spec
+
+    base = {"backend": "diffusion", "prompt": "a red fox", "size": "64x64", "steps": 2}
+    seeds = {job_spec(dict(base, seed=DEFAULT_SEED_TEXT["stylegan"])).request.params.seed for _ in range(3)}
+    assert len(seeds) > 1                                            # random each time, not an error
+    with pytest.raises(InputError, match="one whole number"):
+        job_spec(dict(base, seed="0-8"))                             # a range typed on purpose is still refused

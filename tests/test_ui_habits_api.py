@@ -42,3 +42,14 @@ def test_an_empty_diffusion_seed_is_random_named_in_the_result_and_reused_by_the
         seeds.append(meta["seed"])
     assert seeds[0] != seeds[1]                 # empty = random: not the same image twice
     assert client.predict("diffusion", api_name="/reuse_seed") == str(seeds[1])
+
+
+def test_a_model_added_by_folder_path_gets_its_native_size_and_steps(client, tiny_sd):
+    """The tiny SD folder is 64 px (UNet sample_size 8 × VAE factor 8), not its family's 512."""
+    from models.diffusion_catalogue import folder_native_size
+
+    assert folder_native_size(tiny_sd) == 64
+    client.predict(str(tiny_sd), "diffusion", api_name="/add_model")
+    updates = client.predict("diffusion", str(tiny_sd), api_name="/model_defaults")
+    steps, guidance, size, scheduler = (u["value"] if isinstance(u, dict) else u for u in updates)
+    assert (steps, size, scheduler) == (25, "64×64", "default") and guidance == pytest.approx(7.0)

@@ -185,3 +185,36 @@ def test_compare_with_every_toggle_off_is_a_note_not_a_failure(page):
     expect(page.locator("#compare-nothing")).to_contain_text("Nothing to compare", timeout=LONG)
     assert page.locator(".toast-body.error").count() == 0           # no red error toast
     assert "failed" not in page.inner_text("#job-readout").lower()   # and no "failed" badge
+
+
+def test_a_model_added_by_folder_path_sets_its_native_size(page, tmp_path_factory):
+    from tests.ui_helpers import tiny_sd_folder
+
+    folder = tiny_sd_folder(tmp_path_factory)
+    page.locator("#backend-select label", has_text="Diffusion").click()
+    page.locator("#add-model").get_by_text("Add a model").click()
+    fill(page, "add-model-input", str(folder))
+    page.locator("#add-model-btn").click()
+    expect(page.locator("#add-model-status")).to_contain_text("Added", timeout=LONG)
+    expect(page.locator("#size-select input")).to_have_value("64×64", timeout=LONG)     # not the 512² preset
+    expect(page.locator("#steps-input input[type=number]")).to_have_value("25")
+
+
+def test_style_mix_sliders_take_the_pickles_layer_count_after_its_first_run(browser, tmp_path_factory, testdata):
+    """A fresh studio whose default model is an NVlabs pickle: its layer count (8 at 32 px) is known only once
+    it is loaded, so the sliders start at the most a StyleGAN takes and narrow after the first images."""
+    with running_studio(tmp_path_factory.mktemp("studio-mix-layers")) as fresh:
+        page = open_page(browser, fresh)
+        try:
+            page.get_by_role("tab", name="Style mixing").click()
+            mix_to = page.locator("#mix-to input[type=range]")
+            expect(mix_to).to_have_attribute("max", "18")
+            page.get_by_role("tab", name="Images").click()
+            fill(page, "seed-input", "0")
+            page.locator("#generate-btn").click()
+            expect_progress(page, r"Done")
+            page.get_by_role("tab", name="Style mixing").click()
+            expect(mix_to).to_have_attribute("max", "8", timeout=LONG)
+            expect(page.locator("#mix-from input[type=range]")).to_have_attribute("max", "7")
+        finally:
+            page.context.close()

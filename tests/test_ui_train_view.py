@@ -61,3 +61,30 @@ def test_status_and_warnings_html():
     assert warn.index("w4") < warn.index("w3") and "w1" not in warn and "2 earlier" in warn
     assert "&lt;b&gt;" in warn and "dropout 0.3" in warn
     assert train_view.render_warnings(RunStatus(name="x", folder=Path("/x"), state=RUNNING)) == ""
+
+
+def test_an_empty_plot_gets_fixed_axes_and_a_plot_with_points_its_own():
+    for frame in train_view.empty_frames():
+        assert train_view.plot_limits(frame) == {"x_lim": [0, 1], "y_lim": [0, 1]}   # not a 0-width "0.000000" axis
+    recs = records()
+    for frame in (train_view.loss_frame(recs), train_view.regularizer_frame(recs), train_view.monitor_frame(recs)):
+        assert train_view.plot_limits(frame) == {"x_lim": None, "y_lim": None}
+
+
+def test_the_train_tab_plots_start_with_those_axes_and_the_samples_caption_sits_above_the_image(tmp_path):
+    import gradio as gr
+
+    from core.settings import Settings
+    from training.runs import TrainingRunManager
+    from ui.train_tab import build_train_tab
+
+    settings = Settings(output_dir=tmp_path / "out", cache_dir=tmp_path / "cache", models_dirs=())
+    with gr.Blocks() as demo:
+        backend, model = gr.Radio(["stylegan"], value="stylegan"), gr.Dropdown([], allow_custom_value=True)
+        build_train_tab(settings, TrainingRunManager(tmp_path / "runs"), backend=backend, model=model,
+                        model_update=lambda b, m: gr.skip(), add_model=lambda p: p)
+    cfg = {c["props"].get("elem_id"): c for c in demo.get_config_file()["components"]}
+    for plot in ("train-loss-plot", "train-reg-plot", "train-monitor-plot"):
+        assert cfg[plot]["props"]["x_lim"] == [0, 1] and cfg[plot]["props"]["y_lim"] == [0, 1], plot
+    assert cfg["train-samples"]["props"]["show_label"] is False          # no label badge over the grid
+    assert "Latest samples" in cfg["train-samples-caption"]["props"]["value"]

@@ -280,7 +280,7 @@ def test_job_spec_diffusion():
     with pytest.raises(InputError, match="prompt"):
         job_spec({"backend": "diffusion", "prompt": "  "})
     with pytest.raises(InputError, match="one whole number"):
-        job_spec({"backend": "diffusion", "prompt": "x", "seed": "0-7"})
+        job_spec({"backend": "diffusion", "prompt": "x", "seed": "0-9"})
     assert 0 <= diffusion_seed("") < 2**31
 
 

@@ -146,11 +146,13 @@ def _diffusion_defaults(services: Services, model_id: str | None) -> dict | None
     """The model's native size, steps, guidance and scheduler (SD-Turbo wants 1 step and guidance 0)."""
     if not model_id:
         return None
-    kind = next((e.kind for e in services.catalogue.entries("diffusion") if model_id in (e.id, e.path)), None)
+    entry = next((e for e in services.catalogue.entries("diffusion") if model_id in (e.id, e.path)), None)
+    if entry is None:
+        return None
     try:
         from pipelines.diffusion import defaults_for
 
-        return defaults_for(kind) if kind else None
+        return defaults_for(entry.kind, entry.path)
     except Exception:   # unknown architecture name or the backend is missing: keep the controls as they are
         return None
 
@@ -356,6 +358,26 @@ def send_png_params(ctx: StudioContext, params: dict | None, sess: SessionState 
     return _restore(ctx, params, sess)
 
 
+MIX_LAYERS_UNKNOWN = 18     # the most a StyleGAN takes (1024 px); the sliders' range until a model says
+
+
+def style_layer_count(services: Services, backend: str, model: str | None) -> int | None:
+    """The selected StyleGAN's style-layer count where it is known without loading anything: from an Atelier
+    model's JSON or a run's config, else from the model as loaded now (an NVlabs pickle after its first run)."""
+    return services.manager.style_layers(model or None) if backend == "stylegan" else None
+
+
+def mix_layer_sliders(services: Services, backend: str, model: str | None, mix_from, mix_to):
+    """Style mixing's layer sliders span the selected model's layers (10 on a 64 px StyleGAN2, not 18)."""
+    n = style_layer_count(services, backend, model)
+    if not n:
+        return gr.skip(), gr.skip()
+    hi = min(int(mix_to if mix_to is not None else 6), n)
+    lo = min(int(mix_from or 0), hi - 1)
+    return (gr.Slider(maximum=n - 1, value=max(0, lo), info=f"this model has {n} style layers (0-{n - 1})"),
+            gr.Slider(maximum=n, value=max(1, hi)))
+
+
 def switch_backend(services: Services, memory_toggle: bool, backend: str, seed: str, sess: SessionState = None):
     """Show the controls of the chosen backend and its models. The seed field keeps each backend's own
     text: StyleGAN's list comes back when you return to it, and diffusion starts empty (= random)."""
@@ -458,10 +480,13 @@ def build_app(services: Services) -> gr.Blocks:
                                                                    elem_id="mix-rows")
                                         C["mix_cols"] = gr.Textbox("10-13", label="Column seeds", elem_id="mix-cols")
                                     with gr.Row():
-                                        C["mix_from"] = gr.Slider(0, 18, value=0, step=1, label="Styles from layer",
-                                                                  elem_id="mix-from")
-                                        C["mix_to"] = gr.Slider(1, 18, value=6, step=1, label="to layer (exclusive)",
-                                                                elem_id="mix-to")
+                                        n_mix = style_layer_count(services, "stylegan", sg_default) or MIX_LAYERS_UNKNOWN
+                                        C["mix_from"] = gr.Slider(0, n_mix - 1, value=0, step=1,
+                                                                  label="Styles from layer", elem_id="mix-from",
+                                                                  info=f"this model has {n_mix} style layers (0-{n_mix - 1})"
+                                                                  if n_mix != MIX_LAYERS_UNKNOWN else None)
+                                        C["mix_to"] = gr.Slider(1, n_mix, value=min(6, n_mix), step=1,
+                                                                label="to layer (exclusive)", elem_id="mix-to")
                                 with gr.Tab("Interpolation", id="interpolate") as tab_interp:
                                     with gr.Row():
                                         C["frames_per_seed"] = gr.Slider(2, 120, value=24, step=1,
@@ -823,11 +848,17 @@ def build_app(services: Services) -> gr.Blocks:
                            ).then(model_defaults, [C["backend"], C["model"]], diffusion_knobs,
                                   api_name="backend_model_defaults", **fast)
         C["model"].input(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name="model_defaults", **fast)
+        mix_in, mix_out = [C["backend"], C["model"], C["mix_from"], C["mix_to"]], [C["mix_from"], C["mix_to"]]
+        mix_range = _bound(mix_layer_sliders, services)
+        C["model"].change(mix_range, mix_in, mix_out, api_name="mix_layers", **fast)
         refresh_btn.click(list_models, [C["backend"], C["model"], session], C["model"], api_name="list_models", **fast)
+        # the picker's value set by code fires no .input: the added model's native size and steps follow here
         add_btn.click(add_model, [add_ref, C["backend"], session], [C["model"], add_status], api_name="add_model",
-                      queue=False)
+                      queue=False
+                      ).success(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name=False, **fast)
         add_ref.submit(add_model, [add_ref, C["backend"], session], [C["model"], add_status],
-                       api_name="add_model_submit", queue=False)
+                       api_name="add_model_submit", queue=False
+                       ).success(model_defaults, [C["backend"], C["model"]], diffusion_knobs, api_name=False, **fast)
         dice_btn.click(roll_seed, None, C["seed"], api_name="random_seed", **fast)
         reuse_btn.click(reuse_seed, [C["backend"], session], C["seed"], api_name="reuse_seed", **fast)
         for tab, mode in ((tab_images, "images"), (tab_mix, "style-mix"), (tab_interp, "interpolate")):
@@ -847,7 +878,8 @@ def build_app(services: Services) -> gr.Blocks:
                           ).then(job_finished, [session, ticket_box], panel_outputs + [timer], api_name="job_finished",
                                  **fast
                                  ).then(_bound(record_history, ctx), [session, history_state],
-                                        [history_state, history_gallery], api_name="record_history", **fast)
+                                        [history_state, history_gallery], api_name="record_history", **fast
+                                        ).then(mix_range, mix_in, mix_out, api_name=False, **fast)  # a pickle: now loaded
         cmp_event = compare_btn.click(prepare_compare, controls + [session], [progress_box, timer, ticket_box],
                                       api_name="queue_compare", **prep)
         cmp_event.success(compare, controls + [ticket_box, session],

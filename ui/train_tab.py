@@ -185,15 +185,22 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                             show_label=False)
                 with gr.Row():
                     loss_plot = gr.LinePlot(frames[0], title="Losses", y_title="loss", elem_id="train-loss-plot",
-                                            color_map=train_view.LOSS_COLORS, **plot)
+                                            color_map=train_view.LOSS_COLORS,
+                                            **train_view.plot_limits(frames[0]), **plot)
                     reg_plot = gr.LinePlot(frames[1], title="R1 / GP / path length", y_title="penalty",
-                                           elem_id="train-reg-plot", color_map=train_view.REG_COLORS, **plot)
+                                           elem_id="train-reg-plot", color_map=train_view.REG_COLORS,
+                                           **train_view.plot_limits(frames[1]), **plot)
                 with gr.Row():
                     monitor_plot = gr.LinePlot(frames[2], title="Monitor",
                                                y_title="fraction", elem_id="train-monitor-plot",
-                                               color_map=train_view.MONITOR_COLORS, **plot)
-                    samples = gr.Image(None, label="Latest samples (samples.png)", interactive=False, height=260,
-                                       type="filepath", elem_id="train-samples", buttons=["fullscreen"])
+                                               color_map=train_view.MONITOR_COLORS,
+                                               **train_view.plot_limits(frames[2]), **plot)
+                    # the caption above the grid, not Gradio's label badge, which sits on the image's top left
+                    with gr.Column(elem_id="train-samples-box"):
+                        gr.Markdown(train_view.SAMPLES_CAPTION, elem_id="train-samples-caption")
+                        samples = gr.Image(None, label="Latest samples (samples.png)", show_label=False,
+                                           interactive=False, height=260, type="filepath", elem_id="train-samples",
+                                           buttons=["fullscreen"])
                 with gr.Row(equal_height=False, elem_id="train-export-row"):
                     export_name = gr.Textbox("", label="Model name", placeholder="empty = RUN-KIMGkimg",
                                              elem_id="train-export-name", scale=3)
@@ -264,8 +271,9 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
         plots = (skip, skip, skip)
         if version != view.version:
             view.version = version
-            plots = (train_view.loss_frame(records), train_view.regularizer_frame(records),
-                     train_view.monitor_frame(records))
+            frames = (train_view.loss_frame(records), train_view.regularizer_frame(records),
+                      train_view.monitor_frame(records))
+            plots = tuple(gr.LinePlot(value=f, **train_view.plot_limits(f)) for f in frames)
         image = skip
         if st.samples is not None:
             mtime = st.samples.stat().st_mtime

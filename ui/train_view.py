@@ -134,3 +134,16 @@ def monitor_frame(records: list[dict]) -> pd.DataFrame:
 def empty_frames() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The three plots' frames before any record: every series present, no points."""
     return loss_frame([]), regularizer_frame([]), monitor_frame([])
+
+
+EMPTY_PLOT_LIMITS = {"x_lim": [0, 1], "y_lim": [0, 1]}
+
+
+def plot_limits(frame: pd.DataFrame) -> dict:
+    """LinePlot axis limits for `frame`: fixed 0..1 axes while it has no point (a plot of only NaN rows gets a
+    zero-width domain, whose ticks read "0.000000"), the data's own range once it has one."""
+    has_point = bool(frame["value"].notna().any()) if len(frame) else False
+    return {"x_lim": None, "y_lim": None} if has_point else dict(EMPTY_PLOT_LIMITS)
+
+
+SAMPLES_CAPTION = "**Latest samples** (samples.png)"
