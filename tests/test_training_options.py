@@ -258,14 +258,15 @@ def test_snapshot_strip_renders_one_row_per_snapshot(snapshot_run, tmp_path):
     label_w = 72
     assert img.shape == (2 * 16, label_w + 3 * 16, 3)   # first and last of 3 snapshots, 3 seeds each
     assert (img[:, :label_w] < 128).any()                # the kimg labels
-    # Each row is its snapshot rendered as the studio renders seeds 0..2 at psi 0.7 (the same
-    # computation repeated here, so exactly the same pixels).
+    # Each row is its snapshot rendered as the studio renders seeds 0..2 at psi 0.7. The file is
+    # loaded again here, so allow one 8-bit level where a float lands on a rounding boundary.
     z = torch.from_numpy(np.concatenate([np.random.RandomState(s).randn(1, 32) for s in range(3)])).float()
     for r, name in enumerate(("G_ema-000000kimg", "G_ema-000400kimg")):
         G = load_generator(folder / f"{name}.safetensors").G
         with torch.no_grad():
             want = to_uint8_hwc(G(z, None, truncation_psi=0.7, noise_mode="const"))
-        assert np.array_equal(img[r * 16:(r + 1) * 16, label_w:], np.concatenate(list(want), axis=1)), name
+        diff = np.abs(img[r * 16:(r + 1) * 16, label_w:].astype(int) - np.concatenate(list(want), axis=1).astype(int))
+        assert diff.max() <= 1 and diff.mean() < 0.05, (name, diff.max(), diff.mean())
 
     assert strip.main([str(out / SNAPSHOT_DIR), str(tmp_path / "one.png"), "--device", "cpu", "--seeds", "2"]) == 0
     assert Image.open(tmp_path / "one.png").size == (label_w + 2 * 16, 16)
