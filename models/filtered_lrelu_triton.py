@@ -53,6 +53,7 @@ Not differentiable; `stylegan3.filtered_lrelu` calls this only with autograd off
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -68,9 +69,28 @@ _FACTORS = (1, 2, 4)
 _MAX_TAPS = 48
 
 # tl.dot precision per input dtype on a GPU: fp32 keeps ~fp32 accuracy (the NVlabs pickles reproduce
-# to 1e-4), 16-bit inputs carry no more than TF32's mantissa anyway. "ieee" (CUDA-core FMAs) is the
-# A/B alternative for fp32 (scripts/fir_kernels_check.py --fused-precision).
-DOT_PRECISION = {torch.float32: "tf32x3", torch.bfloat16: "tf32", torch.float16: "tf32"}
+# to 1e-4). 16-bit inputs take fp16 operands: TF32's 10-bit mantissa at twice its MMA rate. Measured on
+# the H200 over StyleGAN3-T-1024's 15 calls in bf16 (scripts/flrelu_sweep.py, docs/results/
+# 2026-12-02-*-flrelu-sweep.json): tf32 9.10 ms, rel. err 3.8e-3; fp16 8.38 ms, 2.5e-3; bf16 operands
+# 8.31 ms, 6.8e-3. "ieee" (CUDA-core FMAs) is the A/B alternative for fp32.
+DOT_PRECISION = {torch.float32: "tf32x3", torch.bfloat16: "fp16", torch.float16: "fp16"}
+
+
+def _dot_overrides(spec: str) -> dict:
+    """ATELIER_FLRELU_DOT="bfloat16=fp16,float16=fp16": A/B runs of the dot precision per input dtype
+    (tf32x3, tf32, ieee, or fp16 / bf16 operands), without a code change."""
+    out = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, prec = item.partition("=")
+        prec = prec.strip()
+        dtype = getattr(torch, name.strip(), None)
+        if not isinstance(dtype, torch.dtype) or prec not in ("tf32x3", "tf32", "ieee", "fp16", "bf16"):
+            raise ValueError(f"ATELIER_FLRELU_DOT: cannot read {item!r}; write e.g. bfloat16=fp16,float32=tf32x3")
+        out[dtype] = prec
+    return out
+
+
+DOT_PRECISION.update(_dot_overrides(os.environ.get("ATELIER_FLRELU_DOT", "")))
 
 
 def valid_outputs(bi: int, bu: int, bo: int, up: int, down: int, tu: int, td: int) -> int:
@@ -214,8 +234,29 @@ def _body():
             ky = UP * ia - remy
             my = tl.load(cu_ptr + ky[None, :] - ua[:, None],
                          mask=(ky[None, :] >= ua[:, None]) & (ky[None, :] < ua[:, None] + TU), other=0.0)
-            t = tl.dot(v, mx, input_precision=PRECISION)            # [BI, BU]: along x
-            s = tl.dot(my, t, input_precision=PRECISION)            # [BU, BU]: along y
+            # Dot operands: fp16 (twice TF32's MMA rate, TF32's mantissa; the 16-bit default) or bf16, or
+            # fp32 with a literal input_precision per branch (a compiled graph's launcher hands the
+            # constexpr over in a form tl.dot refused on the H200, 2026-12-02).
+            if PRECISION == "fp16":
+                t = tl.dot(v.to(tl.float16), mx.to(tl.float16))
+            elif PRECISION == "bf16":
+                t = tl.dot(v.to(tl.bfloat16), mx.to(tl.bfloat16))
+            elif PRECISION == "tf32":
+                t = tl.dot(v, mx, input_precision="tf32")            # [BI, BU]: along x
+            elif PRECISION == "ieee":
+                t = tl.dot(v, mx, input_precision="ieee")
+            else:
+                t = tl.dot(v, mx, input_precision="tf32x3")
+            if PRECISION == "fp16":
+                s = tl.dot(my.to(tl.float16), t.to(tl.float16))
+            elif PRECISION == "bf16":
+                s = tl.dot(my.to(tl.bfloat16), t.to(tl.bfloat16))
+            elif PRECISION == "tf32":
+                s = tl.dot(my, t, input_precision="tf32")            # [BU, BU]: along y
+            elif PRECISION == "ieee":
+                s = tl.dot(my, t, input_precision="ieee")
+            else:
+                s = tl.dot(my, t, input_precision="tf32x3")
         else:
             s = v
 
@@ -232,8 +273,26 @@ def _body():
                          mask=(ua[:, None] >= od[None, :]) & (ua[:, None] < od[None, :] + TD), other=0.0)
             dy = tl.load(cd_ptr + ua[None, :] - od[:, None],
                          mask=(ua[None, :] >= od[:, None]) & (ua[None, :] < od[:, None] + TD), other=0.0)
-            s = tl.dot(s, dx, input_precision=PRECISION)            # [BU, BO]
-            s = tl.dot(dy, s, input_precision=PRECISION)            # [BO, BO]
+            if PRECISION == "fp16":
+                s = tl.dot(s.to(tl.float16), dx.to(tl.float16))
+            elif PRECISION == "bf16":
+                s = tl.dot(s.to(tl.bfloat16), dx.to(tl.bfloat16))
+            elif PRECISION == "tf32":
+                s = tl.dot(s, dx, input_precision="tf32")            # [BU, BO]
+            elif PRECISION == "ieee":
+                s = tl.dot(s, dx, input_precision="ieee")
+            else:
+                s = tl.dot(s, dx, input_precision="tf32x3")
+            if PRECISION == "fp16":
+                s = tl.dot(dy.to(tl.float16), s.to(tl.float16))
+            elif PRECISION == "bf16":
+                s = tl.dot(dy.to(tl.bfloat16), s.to(tl.bfloat16))
+            elif PRECISION == "tf32":
+                s = tl.dot(dy, s, input_precision="tf32")            # [BO, BO]
+            elif PRECISION == "ieee":
+                s = tl.dot(dy, s, input_precision="ieee")
+            else:
+                s = tl.dot(dy, s, input_precision="tf32x3")
 
         jy = jy0 + oa
         jx = jx0 + oa
@@ -278,10 +337,11 @@ def _launch(x, cu, cd, bias, up, down, pad, gain, slope, clamp, out=None, config
     if ho <= 0 or wo <= 0:
         raise ValueError(f"filtered_lrelu: output size {ho}x{wo} <= 0 (input {h}x{w}, up {up}, down {down}, "
                          f"taps {tu}/{td}, padding {list(pad)})")
-    channels_last = x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-    if not channels_last:
-        x = x.contiguous()
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    # NCHW always: a tile filters along W, so channels_last loads are strided by C (measured 3x slower
+    # on the H200 at StyleGAN3-T-1024, 14.5 vs 5.0 ms: inductor hands conv outputs over as NHWC). One
+    # copy of the input costs far less; the output is NCHW too.
+    x = x.contiguous()
+    fmt = torch.contiguous_format
     y = torch.empty([n, c, ho, wo], dtype=x.dtype, device=x.device, memory_format=fmt) if out is None else out
     if y.numel() == 0:
         return y
