@@ -2,6 +2,8 @@
 # Issue 11's H200 runs, one part or several per device call: bash scripts/h200_stylegan.sh PART...
 #   check   the Triton kernels against the reference ops, and op timings (scripts/fir_kernels_check.py)
 #   fused   only the fused filtered_lrelu A/B: fused vs 1-D passes vs nc1 on every SG3-T-1024 call, sm_90 build
+#           (slow: it ran its whole 300 s on 2026-12-02 and printed nothing; prefer sweep)
+#   sweep   the fused kernel's tiles x dot precisions on every SG3-T-1024 call, bf16 (~80 s; scripts/flrelu_sweep.py)
 #   sg3ab   bench sg3t-1024 at batch 1: fused filtered_lrelu (fir:triton) against the 1-D passes (fir:triton-1d)
 #   tests   the gpu-marked StyleGAN tests (log under $OUT)
 #   b1      bench sg2-1024 + sg3t-1024 at batch 1
@@ -19,6 +21,8 @@ for part in "$@"; do
              | grep -v "^W1\|^  warn" | tee "$OUT/check.log" | tail -30 ;;
     fused) timeout ${FUSED_TIMEOUT:-300} python3 scripts/fir_kernels_check.py --fused-only --out "$OUT/fused.json" 2>&1 \
              | grep -v "^W1\|^  warn" | tee "$OUT/fused.log" | tail -40 ;;
+    sweep) timeout ${SWEEP_TIMEOUT:-190} python3 scripts/flrelu_sweep.py --dtypes bfloat16 \
+             --precisions ${SWEEP_PRECISIONS:-bfloat16:tf32/fp16/bf16} --out "$OUT/sweep.json" 2>&1 | tail -50 ;;
     sg3ab) timeout ${SG3AB_TIMEOUT:-380} python3 app.py bench --workload sg3t-1024 --batches 1 --configs "$SG3AB_CONFIGS" \
              --out "$OUT/sg3ab" --no-report --quiet --profile ${SG3AB_PROFILE:-all} ;;
     tests) { timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs --durations=8 -p no:cacheprovider tests/test_kernels.py \

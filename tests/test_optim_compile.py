@@ -96,6 +96,28 @@ def test_stylegan3_synthesis_compiles_and_matches(testdata, tmp_path, dynamo_cle
     assert set(report["buckets"]) == {"1xconst"}
 
 
+def test_stylegan3_is_compiled_without_inductor_layout_optimization(testdata):
+    # Inductor would hand the convolutions' outputs to the NCHW-tiled filtered_lrelu kernel as NHWC.
+    assert oc._stylegan_options(load_G(testdata, "sg3t_uncond_32").synthesis) == {"layout_optimization": False}
+    assert oc._stylegan_options(load_G(testdata, "sg2_uncond_32").synthesis) is None
+
+
+def test_inductor_options_reach_torch_compile_and_the_module_runs(tmp_path, dynamo_clean):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU()).eval()
+    report = {}
+    compiled = oc.compile_module(net, "module", "reduce-overhead", CPU, report,
+                                 inductor_options={"layout_optimization": False})
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert rel_err(net(x), compiled(x)) < 1e-5
+    assert report["inductor_options"] == {"layout_optimization": False}
+    # the spelling the GPU path uses (reduce-overhead as its one option) is one torch accepts
+    torch.compile(net, options={"layout_optimization": False, "triton.cudagraphs": True})
+    with pytest.raises(RuntimeError, match="no_such_option"):
+        torch.compile(net, options={"no_such_option": True})
+
+
 def test_compile_failure_falls_back_to_eager_with_reason(testdata, tmp_path, dynamo_clean):
     def broken_backend(gm, example_inputs):
         raise RuntimeError("simulated compiler crash")
