@@ -92,6 +92,24 @@ def _dot_overrides(spec: str) -> dict:
 
 DOT_PRECISION.update(_dot_overrides(os.environ.get("ATELIER_FLRELU_DOT", "")))
 
+# With 16-bit dot operands one tile wins or ties at every size on the H200: (BI 32, BU 64, BO 32,
+# 4 warps). Over SG3-T-1024's 15 calls (scripts/flrelu_sweep.py, docs/results/2026-12-02-fe84367-
+# flrelu-sweep.json): 6.90 ms with it, 6.84 at each call's own best, 8.38 as autotuned (the
+# autotuner's 10 ms timing windows picked worse tiles at the 1044-pixel layers). So those precisions
+# take the fixed tile and skip autotuning (also 10-20 s off a first call); TF32 / fp32 dots, where
+# (64, 64, 32) wins at the large layers, keep the autotuner. ATELIER_FLRELU_AUTOTUNE=1 autotunes all.
+_FIXED_TILE = (32, 64, 32, 4)
+_FIXED_TILE_PRECISIONS = ("fp16", "bf16")
+
+
+def fixed_tile(up: int, down: int, tu: int, td: int, precision: str) -> tuple | None:
+    """The measured tile for this case and dot precision, or None (autotune)."""
+    if precision not in _FIXED_TILE_PRECISIONS or os.environ.get("ATELIER_FLRELU_AUTOTUNE") == "1":
+        return None
+    bi, bu, bo = _normalize(*_FIXED_TILE[:3], up, down, tu, td)
+    vo = valid_outputs(bi, bu, bo, up, down, tu, td)
+    return (bi, bu, bo, vo, _FIXED_TILE[3]) if vo >= max(1, bo // 2) else None
+
 
 def valid_outputs(bi: int, bu: int, bo: int, up: int, down: int, tu: int, td: int) -> int:
     """Valid outputs per tile axis for blocks (BI inputs, BU upsampled, BO outputs); 0 = does not fit.
@@ -351,6 +369,8 @@ def _launch(x, cu, cd, bias, up, down, pad, gain, slope, clamp, out=None, config
     b = bias.to(device=x.device).contiguous() if has_bias else cu      # any valid pointer when unused
     if config is None and interpreting():
         config = configs(up, down, tu, td)[0]
+    if config is None:
+        config = fixed_tile(up, down, tu, td, DOT_PRECISION[x.dtype])
     kernel = _kernel(up, down, tu, td, tuple(config) if config is not None else None)
     if launcher is not None:
         kernel = launcher(kernel)

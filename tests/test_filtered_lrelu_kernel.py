@@ -287,3 +287,31 @@ def test_compiled_and_graphed_fused_op_gives_the_eager_numbers():
         for _ in range(3):
             got = f(x)
     assert rel(got, want) < 1e-6
+
+
+# -- the measured fixed tile for 16-bit dots ---------------------------------------------------------
+
+@pytest.mark.parametrize("up, tu, want", [(2, 12, (32, 64, 32, 21, 4)), (4, 24, (32, 64, 32, 27, 4)),
+                                          (1, 1, (64, 64, 64, 64, 4))])
+def test_16bit_dots_take_the_measured_tile_and_others_autotune(up, tu, want, monkeypatch):
+    down, td = (2, 12) if up > 1 else (1, 1)
+    monkeypatch.delenv("ATELIER_FLRELU_AUTOTUNE", raising=False)
+    assert flt.fixed_tile(up, down, tu, td, "fp16") == want
+    assert flt.fixed_tile(up, down, tu, td, "bf16") == want
+    assert want in flt.configs(up, down, tu, td)            # one of the autotuner's own candidates
+    for precision in ("tf32", "tf32x3", "ieee"):
+        assert flt.fixed_tile(up, down, tu, td, precision) is None
+    monkeypatch.setenv("ATELIER_FLRELU_AUTOTUNE", "1")
+    assert flt.fixed_tile(up, down, tu, td, "fp16") is None
+
+
+@pytest.mark.parametrize("up, down, pad", [(2, 2, [9, 8, 9, 8]), (4, 2, [21, 20, 21, 20])])
+def test_the_fixed_tile_gives_the_reference_numbers(up, down, pad):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 3, 40, 40, generator=g)
+    fu, fd, b = _filter(12 * up // 2), _filter(12), torch.randn(3, generator=g)
+    args = dict(up=up, down=down, padding=pad, gain=math.sqrt(2), slope=0.2, clamp=256.0)
+    want = _reference(x, fu, fd, b, **args)
+    tile = flt.fixed_tile(up, down, fu.shape[0], fd.shape[0], "fp16")
+    got = flt.filtered_lrelu(x.to(DEV), fu.to(DEV), fd.to(DEV), b.to(DEV), config=tile, **args)
+    assert rel(got, want) < 1e-6
