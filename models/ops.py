@@ -401,7 +401,7 @@ def modulated_conv2d(
     O, I, kh, kw = weight.shape
     assert_shape(x, [N, I, None, None], "modulated_conv2d input")
     assert_shape(styles, [N, I], "modulated_conv2d styles")
-    if fused_modconv and N > 1 and _impl["modconv"] == "auto":
+    if fused_modconv and (_impl["modconv"] == "activations" or (N > 1 and _impl["modconv"] == "auto")):
         fused_modconv = False
 
     # fp16 has a small range: scale weight and styles to max-abs 1 first. Demodulation
@@ -412,10 +412,17 @@ def modulated_conv2d(
 
     w = None
     dcoefs = None
-    if demodulate or fused_modconv:
+    if fused_modconv:
         w = weight.unsqueeze(0) * styles.reshape(N, 1, I, 1, 1)           # [N, O, I, kh, kw]
-    if demodulate:
-        dcoefs = (w.square().sum(dim=[2, 3, 4]) + 1e-8).rsqrt()          # [N, O]
+        if demodulate:
+            dcoefs = (w.square().sum(dim=[2, 3, 4]) + 1e-8).rsqrt()      # [N, O]
+    elif demodulate:
+        # sum_ik (W_oik s_ni)^2 = sum_i s_ni^2 sum_k W_oik^2: one [N, I] x [I, O] product instead of
+        # the [N, O, I, k, k] per-sample weights, which the unfused form never needs otherwise.
+        # Autocast off: a bf16 product would round the 512-term sums (the reductions above stay fp32).
+        with torch.autocast(device_type=styles.device.type, enabled=False):
+            t = torch.promote_types(styles.dtype, torch.float32)
+            dcoefs = (styles.to(t).square() @ weight.to(t).square().sum(dim=[2, 3]).t() + 1e-8).rsqrt()
 
     if not fused_modconv:
         x = x * styles.to(x.dtype).reshape(N, I, 1, 1)
@@ -538,6 +545,9 @@ class FullyConnectedLayer(torch.nn.Module):
 #         auto       fused at batch 1 only; at batch > 1 the activations are modulated around
 #                    one shared-weight dense conv, as NVlabs runs inference (a grouped conv with
 #                    groups = N is slow and its per-sample weights cost N x the weight memory)
+#         activations  modulated activations at every batch size, batch 1 included: the conv's
+#                    weights (and what is folded into them: FIR, subpixel phases) then depend
+#                    only on parameters, which a frozen compiled graph computes once
 #   grad  how convolutions are differentiated:
 #         aten     PyTorch's own autograd for conv2d / conv_transpose2d
 #         gradfix  a custom autograd.Function whose backward is again made of convolutions, and
@@ -558,7 +568,7 @@ IMPL_CHOICES: dict[str, tuple[str, ...]] = {
     "up": ("transpose", "subpixel", "subpixel-fused", "transpose-fused", "zero-insert-fused"),
     "down": ("blur-stride", "fused-stride", "fused-s2d"),
     "grad": ("aten", "gradfix"),
-    "modconv": ("as-called", "auto"),
+    "modconv": ("as-called", "auto", "activations"),
 }
 DEFAULT_IMPL: dict[str, str] = {knob: choices[0] for knob, choices in IMPL_CHOICES.items()}
 _impl: dict[str, str] = dict(DEFAULT_IMPL)

@@ -340,7 +340,7 @@ def modulated_conv2d(
     """
     n, in_ch, h, w = x.shape
     out_ch, _, kh, kw = weight.shape
-    batched = n > 1 and ops._impl["modconv"] == "auto"
+    batched = ops._impl["modconv"] == "activations" or (n > 1 and ops._impl["modconv"] == "auto")
     with _full_precision(x):
         weight, styles = weight.float(), styles.float()
         if demodulate:
@@ -349,10 +349,12 @@ def modulated_conv2d(
             # per-sample RMS keeps each sample independent of its batch-mates.
             weight = weight * weight.square().mean([1, 2, 3], keepdim=True).rsqrt()
             styles = styles * styles.square().mean(dim=1, keepdim=True).rsqrt()
-        wts = weight.unsqueeze(0) * styles.view(n, 1, in_ch, 1, 1)                   # [N, O, I, k, k]
-        dcoefs = (wts.square().sum(dim=[2, 3, 4]) + 1e-8).rsqrt() if demodulate else None   # [N, O]
         gain = input_gain.float().expand(n, in_ch) if input_gain is not None else None      # [N, I]
-        if not batched:
+        if batched:      # sum_ik (W s)^2 as one [N, I] x [I, O] product (models.ops.modulated_conv2d)
+            dcoefs = (styles.square() @ weight.square().sum(dim=[2, 3]).t() + 1e-8).rsqrt() if demodulate else None
+        else:
+            wts = weight.unsqueeze(0) * styles.view(n, 1, in_ch, 1, 1)               # [N, O, I, k, k]
+            dcoefs = (wts.square().sum(dim=[2, 3, 4]) + 1e-8).rsqrt() if demodulate else None  # [N, O]
             if demodulate:
                 wts = wts * dcoefs.view(n, out_ch, 1, 1, 1)
             if gain is not None:

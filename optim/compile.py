@@ -418,10 +418,17 @@ def compile_module(module: torch.nn.Module, kind: str, mode: str, device: torch.
 def _stylegan_options(synthesis: torch.nn.Module) -> dict | None:
     """StyleGAN3: no inductor layout optimization. Inductor otherwise hands the convolutions' outputs on
     as channels_last, and the fused filtered_lrelu kernel reads NCHW tiles, so every call would add a
-    layout copy (1.2 ms of the compiled SG3-T-1024's 11.1 ms on the H200, 2026-12-02)."""
+    layout copy (1.2 ms of the compiled SG3-T-1024's 11.1 ms on the H200, 2026-12-02).
+
+    ATELIER_INDUCTOR_FREEZING=1 (an A/B switch, not yet measured): inductor's `freezing`, which treats the
+    parameters as constants in inference and computes once what depends on them alone (weight gains,
+    FIR folds, subpixel phases: with `--kernels ...modconv:activations` that is every weight transform)."""
+    opts = {}
     if type(synthesis).__module__.endswith("stylegan3"):
-        return {"layout_optimization": False}
-    return None
+        opts["layout_optimization"] = False
+    if os.environ.get("ATELIER_INDUCTOR_FREEZING") == "1":
+        opts["freezing"] = True
+    return opts or None
 
 
 def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component: torch.nn.Module) -> str:

@@ -5,6 +5,8 @@
 #           (slow: it ran its whole 300 s on 2026-12-02 and printed nothing; prefer sweep)
 #   sweep   the fused kernel's tiles x dot precisions on every SG3-T-1024 call, bf16 (~80 s; scripts/flrelu_sweep.py)
 #   sg3ab   bench sg3t-1024 at batch 1: fused filtered_lrelu (fir:triton) against the 1-D passes (fir:triton-1d)
+#   sg2ab   bench sg2-1024 at batch 1: best against modulated activations at batch 1 (modconv:activations),
+#           each with and without inductor freezing (ATELIER_INDUCTOR_FREEZING=1), ~4 min
 #   tests   the gpu-marked StyleGAN tests (log under $OUT)
 #   b1      bench sg2-1024 + sg3t-1024 at batch 1
 #   tp      bench sg2-1024 throughput batches 32/64/128 (+ sg3t-1024 at 16)
@@ -13,6 +15,7 @@
 source "$(dirname "$0")/h200_env.sh"
 B1_CONFIGS=${B1_CONFIGS:-baseline,fp32,tf32,fp16,bf16,bf16-cl,best,refops-bf16@precision=bf16+kernels=reference}
 TP_CONFIGS=${TP_CONFIGS:-baseline,bf16,bf16-cl,best}
+SG2AB_CONFIGS=${SG2AB_CONFIGS:-best,best-act@precision=bf16+channels_last=1+compile=reduce-overhead+kernels=fir:triton/up:subpixel-fused/modconv:activations}
 SG3AB_CONFIGS=${SG3AB_CONFIGS:-fp32,fp32-1d@precision=fp32+kernels=fir:triton-1d/modconv:auto,bf16,bf16-1d@precision=bf16+kernels=fir:triton-1d/up:subpixel-fused/modconv:auto,best}
 for part in "$@"; do
   echo "=== $part $(date +%T)"
@@ -23,6 +26,11 @@ for part in "$@"; do
              | grep -v "^W1\|^  warn" | tee "$OUT/fused.log" | tail -40 ;;
     sweep) timeout ${SWEEP_TIMEOUT:-190} python3 scripts/flrelu_sweep.py --dtypes bfloat16 \
              --precisions ${SWEEP_PRECISIONS:-bfloat16:tf32/fp16/bf16} --out "$OUT/sweep.json" 2>&1 | tail -50 ;;
+    sg2ab) timeout ${SG2AB_TIMEOUT:-150} python3 app.py bench --workload sg2-1024 --batches 1 --configs "$SG2AB_CONFIGS" \
+             --out "$OUT/sg2ab" --no-report --quiet --profile all
+           ATELIER_INDUCTOR_FREEZING=1 timeout ${SG2AB_TIMEOUT:-150} python3 app.py bench --workload sg2-1024 --batches 1 \
+             --configs "$(echo "$SG2AB_CONFIGS" | sed 's/best-act@/frozen-act@/; s/^best,/frozen@precision=bf16+channels_last=1+compile=reduce-overhead,/')" \
+             --out "$OUT/sg2ab-frozen" --no-report --quiet --profile all ;;
     sg3ab) timeout ${SG3AB_TIMEOUT:-380} python3 app.py bench --workload sg3t-1024 --batches 1 --configs "$SG3AB_CONFIGS" \
              --out "$OUT/sg3ab" --no-report --quiet --profile ${SG3AB_PROFILE:-all} ;;
     tests) { timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs --durations=8 -p no:cacheprovider tests/test_kernels.py \

@@ -185,8 +185,44 @@ def test_modulated_activations_equal_fused_weights_at_batch_above_one():
 NVLABS = ["sg2_uncond_32", "sg2_cond4_64_fp16", "sg3t_uncond_32", "sg3r_uncond_32"]
 
 
-@pytest.mark.parametrize("name", NVLABS)
-def test_nvlabs_pickles_reproduce_through_the_fast_path(name, testdata):
+@pytest.mark.parametrize("n", [1, 4])
+def test_modulated_activations_at_every_batch_equal_fused_weights(n):
+    # modconv=activations modulates the activations at batch 1 too; its demodulation is one
+    # [N, I] x [I, O] product instead of a sum over per-sample weights: the same numbers.
+    g = torch.Generator().manual_seed(5)
+    x, w, s = (torch.randn(n, 6, 9, 9, generator=g), torch.randn(5, 6, 3, 3, generator=g),
+               torch.randn(n, 6, generator=g))
+    x, w, s = x.double(), w.double(), s.double()
+    want = ops.modulated_conv2d(x, w, s, padding=1)
+    with ops.use_impl(modconv="activations"):
+        assert rel(ops.modulated_conv2d(x, w, s, padding=1), want) < 1e-12
+    gain = torch.rand(6, generator=g).double()
+    sg3_want = sg3.modulated_conv2d(x, w, s, padding=1, input_gain=gain)
+    with ops.use_impl(modconv="activations"):
+        assert rel(sg3.modulated_conv2d(x, w, s, padding=1, input_gain=gain), sg3_want) < 1e-6
+
+
+def test_demodulation_stays_float32_under_bf16_autocast():
+    # The unfused demodulation product must not drop to bf16 with the convolutions.
+    g = torch.Generator().manual_seed(6)
+    x, w, s = torch.randn(2, 64, 6, 6, generator=g), torch.randn(8, 64, 3, 3, generator=g), torch.randn(2, 64, generator=g)
+    seen = []
+    real = torch.Tensor.rsqrt
+
+    def spy(t):
+        seen.append(t.dtype)
+        return real(t)
+    with ops.use_impl(modconv="activations"), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.Tensor.rsqrt = spy
+        try:
+            ops.modulated_conv2d(x, w, s, padding=1)
+        finally:
+            torch.Tensor.rsqrt = real
+    assert seen == [torch.float32]
+
+
+@pytest.mark.parametrize("name, modconv", [(n, None) for n in NVLABS] + [(n, "activations") for n in NVLABS[:3:2]])
+def test_nvlabs_pickles_reproduce_through_the_fast_path(name, modconv, testdata):
     """The fused path in fp32 still gives NVlabs' own outputs within 1e-4 (as the reference ops do)."""
     from models.stylegan import _generator_from_record
 
@@ -203,6 +239,8 @@ def test_nvlabs_pickles_reproduce_through_the_fast_path(name, testdata):
     if G.c_dim:
         c[0, seed % G.c_dim] = 1
     choice, _ = kernels.resolve("auto", "cuda")        # what a CUDA GPU runs
+    if modconv:
+        choice = dict(choice, modconv=modconv)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:

@@ -102,6 +102,14 @@ def test_stylegan3_is_compiled_without_inductor_layout_optimization(testdata):
     assert oc._stylegan_options(load_G(testdata, "sg2_uncond_32").synthesis) is None
 
 
+def test_freezing_is_an_opt_in_inductor_option(testdata, monkeypatch):
+    monkeypatch.setenv("ATELIER_INDUCTOR_FREEZING", "1")
+    assert oc._stylegan_options(load_G(testdata, "sg2_uncond_32").synthesis) == {"freezing": True}
+    opts = oc._stylegan_options(load_G(testdata, "sg3t_uncond_32").synthesis)
+    assert opts == {"layout_optimization": False, "freezing": True}
+    torch.compile(torch.nn.Linear(2, 2), options=dict(opts, **{"triton.cudagraphs": True}))   # names torch knows
+
+
 def test_inductor_options_reach_torch_compile_and_the_module_runs(tmp_path, dynamo_clean):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU()).eval()
