@@ -39,4 +39,49 @@
     input.files = dt.files;
     input.dispatchEvent(new Event("change", { bubbles: true }));
   }, true);
+
+  // Generate -> pixels: the time from the press (click or Ctrl+Enter) to the first result image decoded
+  // in this browser (request, queue, seeds, synthesis, PNG, transfer, decode): what the artist waits for,
+  // next to the server's own per-stage latency. Shown under the side panel's latency, in its own element
+  // (the panel's HTML is re-rendered by the timer); the last value is also window.__atelierPixelsMs.
+  let pressedAt = null;
+  let seenSrc = new Set();
+  document.addEventListener("click", (e) => {
+    if (!e.target || !e.target.closest || !e.target.closest("#generate-btn")) return;
+    pressedAt = performance.now();
+    seenSrc = new Set(Array.from(document.querySelectorAll("#output-gallery img")).map((i) => i.currentSrc || i.src));
+  }, true);
+  const readout = () => {
+    let el = q("#at-pixels");
+    const anchor = q("#latency-readout");
+    if (!el && anchor) {
+      el = document.createElement("div");
+      el.id = "at-pixels";
+      el.className = "at-kv at-pixels";
+      el.innerHTML = '<span>Generate \u2192 pixels (browser)</span><b>\u2013</b>';
+      anchor.insertAdjacentElement("afterend", el);
+    }
+    return el;
+  };
+  const fmt = (ms) => (ms < 1000 ? `${ms.toFixed(0)} ms` : `${(ms / 1000).toFixed(2)} s`);
+  const settle = (img) => {
+    if (pressedAt === null) return;
+    const src = img.currentSrc || img.src;
+    if (!src || seenSrc.has(src)) return;
+    const done = () => {
+      if (pressedAt === null) return;
+      const ms = performance.now() - pressedAt;
+      pressedAt = null;
+      window.__atelierPixelsMs = ms;
+      const el = readout();
+      if (el) { el.querySelector("b").textContent = fmt(ms); el.dataset.ms = ms.toFixed(1); }
+    };
+    if (img.complete && img.naturalWidth > 0) done(); else img.addEventListener("load", done, { once: true });
+  };
+  const watch = new MutationObserver(() => {
+    readout();
+    if (pressedAt !== null) document.querySelectorAll("#output-gallery img").forEach(settle);
+  });
+  watch.observe(document.body, { childList: true, subtree: true, attributes: true, attributeFilter: ["src"] });
+  readout();
 }

@@ -218,3 +218,25 @@ def test_style_mix_sliders_take_the_pickles_layer_count_after_its_first_run(brow
             expect(page.locator("#mix-from input[type=range]")).to_have_attribute("max", "7")
         finally:
             page.context.close()
+
+
+def test_the_side_panel_shows_generate_to_pixels_as_this_browser_measured_it(page):
+    set_number(page, "sg-batch", 1)
+    fill(page, "seed-input", "3")
+    pixels = page.locator("#at-pixels")
+    expect(pixels).to_contain_text("Generate → pixels")
+    assert pixels.get_attribute("data-ms") is None                     # nothing measured before a press
+    page.click("#generate-btn")
+    expect(pixels).to_have_attribute("data-ms", re.compile(r"^\d+(\.\d)?$"), timeout=LONG)
+    first = float(pixels.get_attribute("data-ms"))
+    assert first > 0 and page.evaluate("window.__atelierPixelsMs") == pytest.approx(first, abs=0.1)
+    assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", pixels.locator("b").inner_text())
+    # the server's own latency for the job is part of what the browser waited for
+    expect(page.locator("#latency-readout")).to_contain_text("total", timeout=LONG)
+    # a second press measures again (a new image, a new value), and the readout outlives panel refreshes
+    fill(page, "seed-input", "4")
+    page.evaluate("document.querySelector('#at-pixels').removeAttribute('data-ms')")
+    page.locator("#seed-input textarea").press("Control+Enter")
+    expect(pixels).to_have_attribute("data-ms", re.compile(r"^\d+(\.\d)?$"), timeout=LONG)
+    expect_progress(page, r"Done: 1 image")
+    assert page.locator("#at-pixels").count() == 1

@@ -28,7 +28,7 @@ from pipelines.services import Services
 from pipelines.tools import optimization_availability
 from telemetry.live import DONE, FAILED, QUEUED, STOPPED
 from telemetry.metrics import CONTENT_TYPE_LATEST
-from ui import history, panel, zerogpu
+from ui import history, panel, startup_check, zerogpu
 from ui.access import AccessGuard, LoginLimiter, redact_paths, share_warning
 from ui.compare import render_comparison
 from ui.controls import (DEFAULT_SCHEDULERS, DEFAULT_SEED_TEXT, MEMORY_SAVERS, SIZE_PRESETS, compare_spec,
@@ -1003,6 +1003,7 @@ def serve(services: Services, *, host: str | None = None, port: int | None = Non
     limiter = LoginLimiter()
     # the guard sits inside Gradio's own middleware and in front of every route, ours included
     guard = Middleware(AccessGuard, auth=s.auth, limiter=limiter)
+    startup_check.install()          # Gradio's own "is it up" check gives up after one slow answer
     demo.launch(server_name=host or s.host, server_port=port or s.port, share=s.share, auth=s.auth,
                 auth_message="Atelier studio: sign in" if s.auth else None, prevent_thread_lock=True, quiet=True,
                 show_error=not s.public, allowed_paths=[str(Path(s.output_dir).resolve())], max_file_size=MAX_UPLOAD,
