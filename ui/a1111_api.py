@@ -371,6 +371,7 @@ class A1111Api:
         if self.rt.draining.is_set():
             raise ResourceError("the studio is shutting down and takes no new jobs")
         limit = self.services.settings.queue_max_size
+        self.rt.release_cancelled()            # places of closed tabs' jobs that Gradio dropped are free again
         ticket = self.rt.queue.try_join(limit)
         if ticket is None:
             raise QueueFull(f"the GPU queue is full ({limit} jobs waiting, the limit set by --queue-size); "

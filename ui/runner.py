@@ -79,6 +79,9 @@ class StudioRuntime:
         # weak: Gradio owns the sessions (and expires them); this map only finds one when its tab closes
         self._sessions: weakref.WeakValueDictionary[str, SessionState] = weakref.WeakValueDictionary()
         self._sessions_lock = threading.Lock()
+        # the browser's tickets still waiting on the board, by id: a closed tab's are found here even after Gradio
+        # deleted its session state (its delete_callback cancels them, but nothing of the tab comes back to leave)
+        self._waiting: dict[int, Ticket] = {}
         # shutdown (SIGTERM): no new jobs once draining; the running ones are tracked so drain() can wait
         self.draining = threading.Event()
         self._active: set[Job] = set()
@@ -158,16 +161,39 @@ class StudioRuntime:
                 self._sessions[session_hash] = session
 
     def forget(self, session_hash: str | None) -> None:
+        """The tab closed (Gradio's unload): stop its running job and take its waiting ones off the board.
+        Gradio drops a closed tab's queued events, so their `run` never comes round to leave the board itself:
+        without this their places would stay taken (and count against --queue-size) for good. Gradio may have
+        deleted the tab's session state first (its delete_callback cancels the tickets): those are found too."""
         with self._sessions_lock:
             session = self._sessions.pop(session_hash, None) if session_hash else None
         if session is not None:
             session.cancel()
+        self.release_cancelled()
+
+    def release_cancelled(self) -> int:
+        """Take every cancelled browser ticket that still waits off the board (a Stop, a closed tab, an expired
+        session); forget the ones that no longer wait. Returns how many places were given back."""
+        with self._sessions_lock:
+            tickets = list(self._waiting.values())
+        freed = 0
+        for t in tickets:
+            if t.cancelled and self.queue.withdraw(t):
+                freed += 1
+            if t.cancelled or not self.queue.is_waiting(t):
+                with self._sessions_lock:
+                    self._waiting.pop(t.id, None)
+        return freed
 
     # -- running a job ----------------------------------------------------------------
     def enqueue(self, session: SessionState, kind: str) -> Ticket:
         """A place in the GPU queue for a job this session is about to submit."""
         ticket = self.queue.join()
         session.tickets[ticket.id] = ticket
+        with self._sessions_lock:
+            for tid in [tid for tid, t in self._waiting.items() if not self.queue.is_waiting(t)]:
+                del self._waiting[tid]         # started or left since: nothing to release
+            self._waiting[ticket.id] = ticket
         session.tracker.queued(kind)
         return ticket
 
