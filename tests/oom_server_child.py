@@ -26,7 +26,7 @@ import torch            # noqa: E402
 from tests.ui_helpers import running_studio   # noqa: E402
 
 MiB = 1 << 20
-HEADROOM = 512 * MiB    # address space allowed above what the warmed-up server already maps
+HEADROOM = 384 * MiB    # address space allowed above what the warmed-up server already maps
 NORMAL = {"prompt": "a red fox", "seed": 3, "steps": 2, "batch_size": 1, "width": 64, "height": 64}
 
 
