@@ -335,7 +335,8 @@ class A1111Api:
 
     Requests queue as in A1111: each takes a ticket on the studio's queue board (shared with browser jobs,
     bounded by the same `--queue-size`) before its body is read, waits its turn in arrival order, then runs
-    under the studio's GPU lock. Only a full queue is refused, at once, with 503 and Retry-After."""
+    under the studio's GPU lock. Only a full queue is refused, at once, with 503 and Retry-After. A request whose
+    client hangs up is dropped (waiting: its place is given up at once) or cancelled (running): `abandon`."""
 
     def __init__(self, runtime):
         self.rt = runtime
