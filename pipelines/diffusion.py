@@ -35,7 +35,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 import optim
 from core.device import peak_memory_bytes, reset_peak_memory
-from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, ResourceError, UnsafeModelError
+from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, OutOfMemory, ResourceError, UnsafeModelError
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationResult, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
 from pipelines import overlap, switches
@@ -771,7 +771,8 @@ class DiffusionPipeline:
         cap, free = pixel_cap(self.device, _param_dtype(self.pipe.vae), self.flags, batch)
         if w * h > cap:
             where = f"{free / 2**30:.1f} GiB free on {self.device}" if free else str(self.device)
-            raise ResourceError(f"{w}x{h} × batch {batch} is too large to decode with {where} (cap: about "
+            # OutOfMemory: the same request would fail again (the A1111 API answers 422, not a 503 to retry)
+            raise OutOfMemory(f"{w}x{h} × batch {batch} is too large to decode with {where} (cap: about "
                                 f"{cap / 1e6:.2f} megapixels per image). Lower the size or batch, or turn on "
                                 f"vae-tiling / vae-slicing.")
         try:

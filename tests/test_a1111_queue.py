@@ -181,3 +181,90 @@ def test_progress_shows_the_live_preview_and_interrupt_returns_the_image(studio)
     assert any("partly denoised" in n for n in info["atelier_notes"])
     # no job, no preview
     assert httpx.get(url(studio, "/progress"), timeout=60).json()["current_image"] is None
+
+
+# -- a client that hangs up (issue 13) ---------------------------------------------------------------------------
+
+def hang_up_client(studio, body: dict) -> "socket.socket":
+    """A raw HTTP/1.1 txt2img request whose client the test closes when it likes, as a closed tab or a killed
+    script does: the socket is returned with the whole request sent and nothing read."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(studio.local_url)
+    data = json.dumps(body).encode()
+    s = socket.create_connection((u.hostname, u.port), timeout=60)
+    s.sendall(b"POST /sdapi/v1/txt2img HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % (u.hostname.encode(), u.port, len(data)) + data)
+    return s
+
+
+def wait_until(predicate, what: str):
+    """Poll `predicate` (a counter the server keeps, read in this process) until it holds, up to WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)                      # poll period, not synchronisation: the predicate decides
+    raise AssertionError(f"never saw {what}")
+
+
+def test_a_waiting_client_that_hangs_up_gives_its_place_up_and_its_job_never_runs(studio):
+    api = studio.atelier_a1111
+    queue = studio.atelier_runtime.queue
+    responses = Responses()
+    long_job = start_long_job(studio, responses)
+    wait_until(lambda: api.job is not None, "the long job running")
+    started, dropped = api.started, api.dropped
+    # two clients fill the queue (Q = 2) behind the running job, then the first hangs up
+    first = hang_up_client(studio, {**SHORT, "seed": 4242})
+    assert queue.wait_for(lambda w, r: (w, r) == (1, 1), WAIT_S), queue.counts()
+    second = hang_up_client(studio, {**SHORT, "seed": 4343})
+    assert queue.wait_for(lambda w, r: (w, r) == (2, 1), WAIT_S), queue.counts()
+    first.close()
+    # its place is given up at once, while the long job still runs (it did not wait for its turn to be dropped)
+    assert queue.wait_for(lambda w, r: (w, r) == (1, 1), WAIT_S), queue.counts()
+    wait_until(lambda: api.dropped == dropped + 1, "the first hung-up job dropped")
+    assert long_job.is_alive() and api.started == started
+    # the freed place is a real one: the next client is queued, not refused with 503
+    kept = responses.send("kept", studio, "/txt2img", {**SHORT, "seed": 4444})
+    assert queue.wait_for(lambda w, r: (w, r) == (2, 1), WAIT_S), queue.counts()
+    second.close()                            # now the one ahead of "kept" hangs up too
+    assert queue.wait_for(lambda w, r: (w, r) == (1, 1), WAIT_S), queue.counts()
+    wait_until(lambda: api.dropped == dropped + 2, "the second hung-up job dropped")
+    assert long_job.is_alive() and api.started == started
+    assert httpx.post(url(studio, "/interrupt"), timeout=60).status_code == 200
+    for t in (long_job, kept):
+        t.join(WAIT_S)
+    answers = responses.wait_count(2)
+    assert [r.status_code for _, r in answers] == [200, 200], [(n, getattr(r, "text", r)) for n, r in answers]
+    long_info, kept_info = (json.loads(responses.of(n).json()["info"]) for n in ("long", "kept"))
+    # the dropped jobs never started: "kept" ran right after the long job, and only those two started
+    assert kept_info["atelier_queue"]["run_no"] == long_info["atelier_queue"]["run_no"] + 1
+    assert kept_info["all_seeds"] == [4444] and not kept_info["interrupted"]
+    assert api.started == started + 1 and api.dropped == dropped + 2
+    assert queue.counts() == (0, 0)
+    r = httpx.post(url(studio, "/txt2img"), json={**SHORT, "seed": 5}, timeout=WAIT_S)
+    assert r.status_code == 200 and len(r.json()["images"]) == 1
+    assert api.started == started + 2
+
+
+def test_a_running_jobs_client_that_hangs_up_cancels_it(studio):
+    api = studio.atelier_a1111
+    queue = studio.atelier_runtime.queue
+    assert queue.wait_for(lambda w, r: (w, r) == (0, 0), WAIT_S), queue.counts()
+    started = api.started
+    client = hang_up_client(studio, LONG)     # 2,400 denoising steps if nothing stops it
+    assert queue.wait_for(lambda w, r: (w, r) == (0, 1), WAIT_S), queue.counts()
+    wait_until(lambda: api.job is not None and api.progress["step"] >= 1, "the hung-up client's job stepping")
+    job = api.job
+    client.close()
+    assert queue.wait_for(lambda w, r: (w, r) == (0, 0), WAIT_S), queue.counts()
+    wait_until(lambda: api.job is None, "the cancelled job's end")
+    assert job.cancelled and api.started == started + 1
+    steps = [e for e in job.trace if e.total]          # the steps it reported
+    assert len(steps) < LONG["steps"] * LONG["n_iter"]               # it stopped well before its 2,400 steps
+    r = httpx.post(url(studio, "/txt2img"), json={**SHORT, "seed": 6}, timeout=WAIT_S)
+    assert r.status_code == 200 and len(r.json()["images"]) == 1
+    info = json.loads(r.json()["info"])
+    assert not info["interrupted"] and info["all_seeds"] == [6] and api.started == started + 2

@@ -368,3 +368,37 @@ def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
     fill(page, "train-data", str(tmp_path / "missing"))                   # bad input: a message, not a crash
     page.click("#train-start-btn")
     page.get_by_text("training data not found").first.wait_for(timeout=10_000)
+
+
+def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):
+    """A tab that closes while its job waits behind another tab's: Gradio drops the queued event, and the
+    studio's queue board lets the place go (it would otherwise stay taken, counted against --queue-size)."""
+    rt = studio.atelier_runtime
+    deadline = time.monotonic() + 120
+    while rt.queue.counts() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)                       # poll period: the predicate decides
+    assert rt.queue.counts() == (0, 0), rt.queue.counts()
+    runner = open_page(browser, studio)
+    set_number(runner, "sg-batch", 1)
+    fill(runner, "seed-input", "0-2000")
+    runner.click("#generate-btn")
+    wait_step(runner, 1)
+    waiter = open_page(browser, studio)
+    set_number(waiter, "sg-batch", 1)
+    fill(waiter, "seed-input", "5")
+    waiter.click("#generate-btn")
+    deadline = time.monotonic() + 120
+    while rt.queue.counts() != (1, 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rt.queue.counts() == (1, 1), rt.queue.counts()
+    waiter.context.close()
+    deadline = time.monotonic() + 120
+    while rt.queue.counts() != (0, 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rt.queue.counts() == (0, 1), "the closed tab's waiting job kept its place in the queue"
+    runner.click("#stop-btn")
+    deadline = time.monotonic() + 120
+    while rt.queue.counts() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rt.queue.counts() == (0, 0), rt.queue.counts()
+    runner.context.close()

@@ -251,6 +251,48 @@ def test_queue_positions_and_session_cancel():
     assert isinstance(fresh, SessionState) and fresh.job is None and fresh.tracker is not s.tracker
 
 
+
+def test_a_closed_tabs_waiting_tickets_leave_the_board_even_after_its_state_is_gone(tmp_path):
+    """Gradio drops a closed tab's queued events and may delete its session state (delete_callback: cancel)
+    before its unload runs: the tab's waiting places are still given back, a running one is left to its job."""
+    import gc
+
+    from core.settings import Settings
+    from pipelines.services import build_services
+    from ui.runner import StudioRuntime
+
+    settings = Settings(assets_dir=tmp_path / "assets", models_dirs=(), extra_models=(),
+                        output_dir=tmp_path / "out", cache_dir=tmp_path / "cache")
+    rt = StudioRuntime(build_services(settings))
+    from types import SimpleNamespace
+
+    from gradio.context import LocalContext
+
+    running_tab, closed_tab, other_copy = new_session(), new_session(), new_session()
+    rt.remember("running", running_tab)
+    rt.remember("closed", closed_tab)
+    rt.remember("copied", new_session())      # the copy page_load saw ...
+    busy = rt.enqueue(running_tab, "images")
+    rt.queue.start(busy)
+    waiting = [rt.enqueue(closed_tab, "images") for _ in range(2)]
+    LocalContext.request.set(SimpleNamespace(session_hash="copied"))   # ... and the one its Generate event had
+    try:
+        copied = rt.enqueue(other_copy, "images")
+    finally:
+        LocalContext.request.set(None)
+    assert rt.queue.counts() == (3, 1)
+    closed_tab.cancel()                        # Gradio's delete_callback for the expired state ...
+    del closed_tab
+    gc.collect()                               # ... and the state is gone before the unload
+    rt.forget("closed")
+    assert rt.queue.counts() == (1, 1) and all(t.cancelled for t in waiting)
+    rt.forget("copied")                        # found by the tab's session hash
+    assert rt.queue.counts() == (0, 1) and copied.cancelled
+    assert not rt.queue.withdraw(busy) and rt.queue.counts() == (0, 1)   # a started ticket stays its job's
+    rt.forget("running")                       # the running tab closes: its job (none here) is stopped
+    assert rt.queue.counts() == (0, 1) and rt.release_cancelled() == 0
+
+
 # -- controls --------------------------------------------------------------------------------
 def test_job_spec_stylegan_modes():
     spec = job_spec({"backend": "stylegan", "seed": "0-3,9", "truncation_psi": 0.5, "class_index": "",

@@ -23,7 +23,8 @@ pixel is decoded; img2img decodes its image only when its turn in the queue has 
 Requests queue as in A1111: txt2img / img2img take a place on the studio's GPU queue board (shared with
 browser jobs, bounded by the same --queue-size) before their body is read, and run one at a time in arrival
 order under the studio's GPU lock, so an API job and a browser job never share the GPU. Only a full queue
-is refused: at once, 503 with Retry-After. /progress carries the running job's live preview (a latent
+is refused: at once, 503 with Retry-After. A client that hangs up (closes its connection) takes its job with it:
+a waiting job gives its place up at once and never starts, a running one is cancelled at its next step. /progress carries the running job's live preview (a latent
 preview every PREVIEW_EVERY steps, the last finished image between iterations) as current_image, and an
 interrupted job returns what it had (its partly denoised latents decoded), as A1111 does. With --auth the
 routes want the same user and password (HTTP Basic), as A1111's --api-auth does.
@@ -67,7 +68,11 @@ UNSUPPORTED = {                       # A1111 fields with an effect Atelier does
 OPTION_CHOICES = {                    # A1111 options POST /options takes besides sd_model_checkpoint: what Atelier honours
     "samples_format": ("png",), "sd_vae": ("Automatic", "None"), "CLIP_stop_at_last_layers": (1,),
 }
-_decode_slots = threading.BoundedSemaphore(2)   # png-info decodes at once (img2img decodes under the job lock)
+_decode_slots = threading.BoundedSemaphore(2)
+
+
+class ClientGone(Cancelled):
+    """The HTTP client of a queued API job closed its connection: the job is dropped, nobody reads its answer."""   # png-info decodes at once (img2img decodes under the job lock)
 
 
 def _kind(v: Any) -> str:
@@ -330,7 +335,8 @@ class A1111Api:
 
     Requests queue as in A1111: each takes a ticket on the studio's queue board (shared with browser jobs,
     bounded by the same `--queue-size`) before its body is read, waits its turn in arrival order, then runs
-    under the studio's GPU lock. Only a full queue is refused, at once, with 503 and Retry-After."""
+    under the studio's GPU lock. Only a full queue is refused, at once, with 503 and Retry-After. A request whose
+    client hangs up is dropped (waiting: its place is given up at once) or cancelled (running): `abandon`."""
 
     def __init__(self, runtime):
         self.rt = runtime
@@ -341,6 +347,9 @@ class A1111Api:
         self._runs = 0                         # API jobs started so far (info.atelier_queue.run_no)
         self._job_s: deque[float] = deque(maxlen=8)   # recent API job durations, for Retry-After
         self._admitted: dict[int, tuple[int, float]] = {}   # ticket id -> (queue position, time) when admitted
+        self._gone: set[int] = set()           # tickets whose client hung up: dropped when their turn comes
+        self._running: int | None = None       # the ticket of the API job that runs now
+        self.dropped = 0                       # API jobs dropped unstarted because their client hung up
         self.job: Job | None = None
         self.progress = {"step": 0, "total": 0, "job_no": 0, "job_count": 0}
         self._preview_lock = threading.Lock()
@@ -363,6 +372,7 @@ class A1111Api:
         if self.rt.draining.is_set():
             raise ResourceError("the studio is shutting down and takes no new jobs")
         limit = self.services.settings.queue_max_size
+        self.rt.release_cancelled()            # places of closed tabs' jobs that Gradio dropped are free again
         ticket = self.rt.queue.try_join(limit)
         if ticket is None:
             raise QueueFull(f"the GPU queue is full ({limit} jobs waiting, the limit set by --queue-size); "
@@ -384,10 +394,36 @@ class A1111Api:
     def _wait_turn(self, ticket) -> None:
         """Block until `ticket` is first in the API's line (first come, first served)."""
         with self._turn:
-            while self._line and self._line[0] != ticket.id:
+            while True:
+                if ticket.id in self._gone:    # its client hung up while it waited: abandon() took it off the line
+                    raise ClientGone("the client closed its connection before its job started")
+                if not self._line or self._line[0] == ticket.id:
+                    return
                 if self.rt.draining.is_set():
                     raise ResourceError("the studio is shutting down; this queued job was not started")
                 self._turn.wait(timeout=1.0)   # woken by leave(); the timeout only rechecks draining
+
+    def abandon(self, ticket) -> None:
+        """`ticket`'s client hung up (its connection closed, as a closed tab or a killed script does). A job that
+        waits gives its place up now, so the next in line moves up, and is dropped when its thread next looks;
+        a running job is cancelled (it stops at its next step). Nothing happens for a job already finished."""
+        with self._turn:
+            if ticket.id not in self._admitted:
+                return
+            self._gone.add(ticket.id)
+            job = self.job if self._running == ticket.id else None
+            running = self._running == ticket.id
+        if running:
+            if job is not None:
+                job.cancel()
+            log.info("API job (ticket %d) cancelled: its client hung up", ticket.id)
+        else:
+            self.leave(ticket)
+
+    @property
+    def started(self) -> int:
+        """API jobs started so far (each ran, whatever its outcome); a dropped job is not one of them."""
+        return self._runs
 
     # -- models and options -------------------------------------------------------------------
     def model_for(self, ref: str | None) -> str | None:
@@ -481,8 +517,16 @@ class A1111Api:
                 request, n_iter, notes = build_request(body, img2img, settings.device, decode_init=img2img)
                 request = dataclasses.replace(request, model=self.model_for(request.model))
                 images, metas, timings, run_no, waited_ms, started, stopped = self._run(request, n_iter, notes, ticket, queued_at)
+        except ClientGone:
+            with self._turn:
+                self.dropped += 1
+            self.rt.metrics.observe_job("diffusion", "dropped", {})
+            log.info("API job (ticket %d) dropped before it started: its client hung up", ticket.id)
+            raise
         finally:
             self.leave(ticket)
+            with self._turn:
+                self._gone.discard(ticket.id)
         self._job_s.append(time.perf_counter() - started)
         p = request.params
         canon = resolve_scheduler_name(p.scheduler)
@@ -524,13 +568,17 @@ class A1111Api:
         job = Job(on_progress=self._on_progress)
         images, metas, timings = [], [], {}
         with self.rt.gpu_lock:
+            with self._turn:                   # one check with abandon(): either it sees this job running, or this
+                if ticket.id in self._gone:    # sees its client gone (it hung up while a browser job held the GPU)
+                    raise ClientGone("the client closed its connection before its job started")
+                self._running = ticket.id
+                self.job = job
             started = time.perf_counter()
             self.rt.queue.start(ticket)
             self._runs += 1
             run_no = self._runs
             self._set_preview(None)
             self.progress = {"step": 0, "total": p.steps, "job_no": 0, "job_count": n_iter}
-            self.job = job
             try:
                 for i in range(n_iter):
                     self.progress["job_no"] = i
@@ -550,7 +598,9 @@ class A1111Api:
                     if result.cancelled or job.cancelled:
                         break
             finally:
-                self.job = None
+                with self._turn:
+                    self.job = None
+                    self._running = None
                 self._set_preview(None)
         outcome = DONE if images and not job.cancelled else "stopped"
         self.rt.metrics.observe_job("diffusion", outcome, timings, images=len(images))
@@ -612,7 +662,8 @@ class A1111Api:
 def mount_a1111_api(demo) -> A1111Api:
     """Add the /sdapi/v1 routes to the running studio's FastAPI app."""
     from fastapi import Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     from pipelines.diffusion import SCHEDULERS
 
@@ -660,9 +711,20 @@ def mount_a1111_api(demo) -> A1111Api:
             return fn
         return deco
 
+    import asyncio
+
     import anyio
 
     limiter: list = []
+
+    async def on_disconnect(request, callback) -> None:
+        """Call `callback` once the client has hung up. The server resumes reading the connection for this,
+        so a closed socket is seen as soon as it closes (a half-closed one too: HTTP/1.1 has no half-close)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                callback()
+                return
 
     async def queued(request, img2img: bool):
         """Take a queue place before reading the body (a full queue is refused at once, nothing read), then
@@ -670,12 +732,21 @@ def mount_a1111_api(demo) -> A1111Api:
         ticket = api.admit()
         try:
             body = await body_of(request)
+        except ClientDisconnect:               # hung up while sending its body: nobody to answer
+            api.leave(ticket)
+            return Response(status_code=499)
         except BaseException:
             api.leave(ticket)
             raise
         if not limiter:
             limiter.append(anyio.CapacityLimiter((services.settings.queue_max_size or 64) + 2))
-        return await anyio.to_thread.run_sync(api.generate, body, img2img, ticket, limiter=limiter[0])
+        # The body is read, so the next ASGI message is http.disconnect: the client hanging up (or the response
+        # sent). Watched while the job waits and runs, so a job nobody waits for any more is dropped or stopped.
+        watcher = asyncio.ensure_future(on_disconnect(request, lambda: api.abandon(ticket)))
+        try:
+            return await anyio.to_thread.run_sync(api.generate, body, img2img, ticket, limiter=limiter[0])
+        finally:
+            watcher.cancel()
 
     @route("/txt2img", "POST")
     async def txt2img(request):

@@ -79,6 +79,10 @@ class StudioRuntime:
         # weak: Gradio owns the sessions (and expires them); this map only finds one when its tab closes
         self._sessions: weakref.WeakValueDictionary[str, SessionState] = weakref.WeakValueDictionary()
         self._sessions_lock = threading.Lock()
+        # The browser's tickets still on the board -> the session hash of the tab that queued them. A closed tab's
+        # are found here by its hash: Gradio drops its queued events, so nothing of the tab comes back to leave
+        # the board, and the SessionState remembered at page load is not always the object that queued them.
+        self._waiting: dict[int, tuple[Ticket, str | None]] = {}
         # shutdown (SIGTERM): no new jobs once draining; the running ones are tracked so drain() can wait
         self.draining = threading.Event()
         self._active: set[Job] = set()
@@ -158,16 +162,42 @@ class StudioRuntime:
                 self._sessions[session_hash] = session
 
     def forget(self, session_hash: str | None) -> None:
+        """The tab closed (Gradio's unload): stop its running job and take its waiting ones off the board.
+        Gradio drops a closed tab's queued events, so their `run` never comes round to leave the board itself:
+        without this their places would stay taken (and count against --queue-size) for good. Gradio may have
+        deleted the tab's session state first (its delete_callback cancels the tickets): those are found too."""
         with self._sessions_lock:
             session = self._sessions.pop(session_hash, None) if session_hash else None
+            tickets = [t for t, owner in self._waiting.values() if session_hash and owner == session_hash]
         if session is not None:
             session.cancel()
+        for t in tickets:
+            t.cancelled = True
+        self.release_cancelled()
+
+    def release_cancelled(self) -> int:
+        """Take every cancelled browser ticket that still waits off the board (a Stop, a closed tab, an expired
+        session); forget the ones that no longer wait. Returns how many places were given back."""
+        with self._sessions_lock:
+            tickets = [t for t, _owner in self._waiting.values()]
+        freed = 0
+        for t in tickets:
+            if t.cancelled and self.queue.withdraw(t):
+                freed += 1
+            if t.cancelled or not self.queue.is_waiting(t):
+                with self._sessions_lock:
+                    self._waiting.pop(t.id, None)
+        return freed
 
     # -- running a job ----------------------------------------------------------------
     def enqueue(self, session: SessionState, kind: str) -> Ticket:
         """A place in the GPU queue for a job this session is about to submit."""
         ticket = self.queue.join()
         session.tickets[ticket.id] = ticket
+        with self._sessions_lock:
+            for tid in [tid for tid, (t, _o) in self._waiting.items() if not self.queue.is_waiting(t)]:
+                del self._waiting[tid]         # started or left since: nothing to release
+            self._waiting[ticket.id] = (ticket, _event_session_hash())
         session.tracker.queued(kind)
         return ticket
 
@@ -427,6 +457,15 @@ class StudioRuntime:
                     "space": spec.space, "fps": spec.fps, "frames": len(frames)}
             return [ResultItem(str(path), meta, f"{len(frames)} frames through seeds {seeds}")], None
         raise AtelierError(f"unknown job kind {spec.kind!r}")
+
+
+def _event_session_hash() -> str | None:
+    """The session hash of the tab whose Gradio event is running on this thread (None outside one)."""
+    try:
+        from gradio.context import LocalContext
+    except ImportError:
+        return None
+    return getattr(LocalContext.request.get(None), "session_hash", None)
 
 
 def skipped_toggles(flags, report: dict | None) -> list[str]:

@@ -65,6 +65,15 @@ class GpuQueue:
             self._running.discard(ticket.id)
             self._changed.notify_all()
 
+    def withdraw(self, ticket: Ticket) -> bool:
+        """Take `ticket` off the board if it still waits (a started one is left to its job); True if it did."""
+        with self._lock:
+            if ticket.id not in self._waiting:
+                return False
+            self._waiting.remove(ticket.id)
+            self._changed.notify_all()
+            return True
+
     def is_waiting(self, ticket: Ticket) -> bool:
         with self._lock:
             return ticket.id in self._waiting
