@@ -1,9 +1,11 @@
 """The studio page: controls, gallery, PNG info, and the live side panel.
 
 `build_app(services)` makes the Blocks; `launch(services)` serves it with the
-host, port, share, auth and queue size from `services.settings`. Everything the
-handlers use comes from `services` and a `StudioRuntime` made here: there is
-no module-level model, option or queue.
+host, port, share, auth and queue size from `services.settings`. The handlers are
+top-level functions in `ui/handlers.py`; what they share (`services` and a
+`StudioRuntime` made here) reaches them as a `StudioContext` bound when the page is
+wired: there is no module-level model, option or queue. Generate and Compare read
+the controls as one `StudioForm` (`ui/form.py`).
 
 Serving rules:
 - every GPU event runs in one queue (`concurrency_id="gpu"`, limit 1);
