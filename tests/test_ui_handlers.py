@@ -197,3 +197,10 @@ def test_small_handlers(ctx):
     assert set_mix.__name__ == "mode_style_mix" and set_mix() == "style-mix"
     assert handlers.read_png_info(ctx, None) == (None, None, None)
     assert handlers.clear_history() == ([], [], None)
+
+
+def test_the_train_tabs_model_callbacks(ctx):
+    model_id = handlers.known_stylegan_model(ctx.services, str(SG_UNCOND))
+    assert model_id == handlers.known_stylegan_model(ctx.services, model_id)       # known: not added twice
+    assert handlers.picker_update(ctx.services, "stylegan", model_id).value == model_id
+    assert handlers.picker_update(ctx.services, "stylegan", "missing").value == ctx.services.catalogue.default("stylegan").id

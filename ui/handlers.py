@@ -371,6 +371,21 @@ def reuse_seed(backend: str, sess: SessionState) -> str:
 
 
 # -- models ----------------------------------------------------------------------------------
+def picker_update(services: Services, backend: str, select: str | None):
+    """The model picker listing `backend`'s models with `select` chosen (e.g. a model the Train tab exported)."""
+    choices, default, note = _model_choices(services, backend)
+    return gr.Dropdown(choices=choices, value=select if select in [c[1] for c in choices] else default,
+                       info=note or None)
+
+
+def known_stylegan_model(services: Services, path: str) -> str:
+    """The catalogue id of a StyleGAN file, adding it when no scanned folder lists it."""
+    for e in services.catalogue.entries("stylegan"):
+        if path in (e.id, e.path):
+            return e.id
+    return services.catalogue.add(path, "stylegan").id
+
+
 def model_defaults(ctx: StudioContext, backend: str, model: str | None):
     """Picking a diffusion model sets its native size, steps, guidance and scheduler."""
     d = _diffusion_defaults(ctx.services, model) if backend == "diffusion" else None

@@ -32,11 +32,11 @@ from ui.form import CONTROL_NAMES, check_components  # noqa: F401  (CONTROL_NAME
 from ui.handlers import (ALREADY_RUNNING, FAST_TICK_S, MIX_LAYERS_UNKNOWN, NO_JOB, SLOW_TICK_S,  # noqa: F401
                          Restored, StudioContext, _availability, _entry_label, _model_choices, _scheduler_choices,
                          add_model, bind, clear_history, compare, form_endpoint, generate, job_finished,
-                         list_models, mix_layer_sliders, mode_setter, model_defaults, nothing_to_compare, page_load,
-                         page_unload, prepare, prepare_compare, read_dropped_png, read_png_info, record_history,
-                         render_nothing_to_compare, restore_controls, reuse_seed, roll_seed, select_history,
-                         select_image, send_back, send_png_params, show_history, stop, style_layer_count,
-                         switch_backend, telemetry)
+                         known_stylegan_model, list_models, mix_layer_sliders, mode_setter, model_defaults,
+                         nothing_to_compare, page_load, page_unload, picker_update, prepare, prepare_compare,
+                         read_dropped_png, read_png_info, record_history, render_nothing_to_compare,
+                         restore_controls, reuse_seed, roll_seed, select_history, select_image, send_back,
+                         send_png_params, show_history, stop, style_layer_count, switch_backend, telemetry)
 from ui.runner import StudioRuntime
 from ui.state import new_session
 from ui.train_tab import build_train_tab, make_manager
@@ -85,19 +85,6 @@ def build_app(services: Services) -> gr.Blocks:
     schedulers = _scheduler_choices()
     C: dict[str, Any] = {}                   # control name -> component
     train_manager = make_manager(settings)   # training runs: child processes, one at a time
-
-    def _picker_update(backend: str, select: str | None):
-        """The model picker listing `backend`'s models with `select` chosen (e.g. a model just exported)."""
-        choices, default, note = _model_choices(services, backend)
-        return gr.Dropdown(choices=choices, value=select if select in [c[1] for c in choices] else default,
-                           info=note or None)
-
-    def _known_model(path: str) -> str:
-        """The catalogue id of a StyleGAN file, adding it when no scanned folder lists it."""
-        for e in services.catalogue.entries("stylegan"):
-            if path in (e.id, e.path):
-                return e.id
-        return services.catalogue.add(path, "stylegan").id
 
     with gr.Blocks(title="Atelier studio", analytics_enabled=False) as demo:
         # a factory, not an instance: Gradio makes one per browser session (and would try to serialise an instance)
@@ -298,7 +285,8 @@ def build_app(services: Services) -> gr.Blocks:
             # only inside a call of a few minutes
             if settings.visitor_may("train") and not zerogpu.on_zerogpu():
                 build_train_tab(settings, train_manager, backend=C["backend"], model=C["model"],
-                                model_update=_picker_update, add_model=_known_model)
+                                model_update=bind(picker_update, services),
+                                add_model=bind(known_stylegan_model, services))
 
         controls = check_components(C)          # in StudioForm's order: the values become one form (ui/form.py)
         panel_outputs = [device_html, vram_html, job_html, latency_html, charts_html, progress_box]
