@@ -263,11 +263,13 @@ def test_mix_sliders_span_the_models_layers_a_pickle_after_its_first_run(service
 
 
 def test_a_diffusion_call_carrying_the_pages_stylegan_seed_gets_a_random_one():
-    """gradio_client sends the seed field's initial value, StyleGAN's 0-7, when a diffusion call names no seed."""
+    """gradio_client sends the seed field's initial value, StyleGAN's 0-7, when a diffusion call names no seed:
+    while the session's field was never given to diffusion, that value means "no seed" (random)."""
     from ui.controls import job_spec
+    from ui.form import StudioForm, spec_from_form
 
-    base = {"backend": "diffusion", "prompt": "a red fox", "size": "64x64", "steps": 2}
-    seeds = {job_spec(dict(base, seed=DEFAULT_SEED_TEXT["stylegan"])).request.params.seed for _ in range(3)}
+    form = StudioForm(backend="diffusion", prompt="a red fox", size="64x64", steps=2, seed=DEFAULT_SEED_TEXT["stylegan"])
+    seeds = {spec_from_form(form, job_spec, None, seed_backend="stylegan").request.params.seed for _ in range(3)}
     assert len(seeds) > 1                                            # random each time, not an error
     with pytest.raises(InputError, match="one whole number"):
-        job_spec(dict(base, seed="0-8"))                             # a range typed on purpose is still refused
+        job_spec({"backend": "diffusion", "prompt": "a red fox", "seed": "0-8"})   # a range typed on purpose: refused

@@ -104,14 +104,6 @@ def diffusion_seed(seed_text: str) -> int:
     return check_seed(t)
 
 
-def diffusion_seed_text(seed_text) -> str:
-    """The diffusion seed a request asks for. The page starts on StyleGAN, so the seed field's initial value is
-    StyleGAN's '0-7', and `gradio_client` sends it for a /generate call that names diffusion but no seed: that
-    one value means "no seed given" (random) for diffusion, not the error a seed range is."""
-    t = str(seed_text or "").strip()
-    return "" if t == DEFAULT_SEED_TEXT["stylegan"] else t
-
-
 def diffusion_params(prompt: str, negative_prompt: str, seed_text: str, steps, guidance, size: str, scheduler: str,
                      batch_size, init_image: str | None, strength, preview_every) -> DiffusionParams:
     if not str(prompt or "").strip():
@@ -173,7 +165,7 @@ def job_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
     backend = v.get("backend") or "stylegan"
     model = (v.get("model") or "").strip() or None
     if backend == "diffusion":
-        params = diffusion_params(v.get("prompt", ""), v.get("negative_prompt", ""), diffusion_seed_text(v.get("seed")),
+        params = diffusion_params(v.get("prompt", ""), v.get("negative_prompt", ""), v.get("seed", ""),
                                   v.get("steps", 25), v.get("guidance", 7.0), v.get("size", SIZE_PRESETS[0]),
                                   v.get("scheduler", "default"), v.get("batch_size", 1), v.get("init_image"),
                                   v.get("strength", 0.75), v.get("preview_every", 0))

@@ -117,6 +117,9 @@ class SessionState:
     comparison: Any = None                     # the last ui.compare.Comparison of this session
     timer_interval: float = 0.0        # what the panel's timer was last set to
     seed_texts: dict[str, str] = field(default_factory=dict)   # the seed field's text per backend, kept across switches
+    # whose seed the page's seed field holds: the page opens on StyleGAN; a backend switch or a restore gives
+    # the field to that backend (ui/form.py: a diffusion request with StyleGAN's untouched default is random)
+    seed_backend: str = "stylegan"
 
     def __deepcopy__(self, memo):
         # gr.State deep-copies its initial value for each new session; locks cannot be copied,
