@@ -191,6 +191,32 @@ def _fits(up: int, down: int, tu: int, td: int) -> bool:
     return False
 
 
+_flrelu_dot = None          # the jitted dot helper, set by _jitted() (the kernel finds it by this name)
+
+
+def _dot_body():
+    """`_flrelu_dot(a, b, PRECISION)`: one tl.dot at the kernel's dot precision. fp16 operands (TF32's
+    mantissa at twice its MMA rate: the 16-bit default) or bf16, or fp32 operands with a literal
+    input_precision per branch (a compiled graph's launcher handed the constexpr over in a form
+    tl.dot refused on the H200, 2026-12-02). Jitted next to the kernel, which finds it by name."""
+    import triton.language as tl
+
+    def _flrelu_dot(a, b, PRECISION: tl.constexpr):     # the name the kernel calls (inductor copies it)
+        if PRECISION == "fp16":
+            out = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        elif PRECISION == "bf16":
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        elif PRECISION == "tf32":
+            out = tl.dot(a, b, input_precision="tf32")
+        elif PRECISION == "ieee":
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, input_precision="tf32x3")
+        return out
+
+    return _flrelu_dot
+
+
 def _body():
     import triton.language as tl
 
@@ -252,29 +278,8 @@ def _body():
             ky = UP * ia - remy
             my = tl.load(cu_ptr + ky[None, :] - ua[:, None],
                          mask=(ky[None, :] >= ua[:, None]) & (ky[None, :] < ua[:, None] + TU), other=0.0)
-            # Dot operands: fp16 (twice TF32's MMA rate, TF32's mantissa; the 16-bit default) or bf16, or
-            # fp32 with a literal input_precision per branch (a compiled graph's launcher hands the
-            # constexpr over in a form tl.dot refused on the H200, 2026-12-02).
-            if PRECISION == "fp16":
-                t = tl.dot(v.to(tl.float16), mx.to(tl.float16))
-            elif PRECISION == "bf16":
-                t = tl.dot(v.to(tl.bfloat16), mx.to(tl.bfloat16))
-            elif PRECISION == "tf32":
-                t = tl.dot(v, mx, input_precision="tf32")            # [BI, BU]: along x
-            elif PRECISION == "ieee":
-                t = tl.dot(v, mx, input_precision="ieee")
-            else:
-                t = tl.dot(v, mx, input_precision="tf32x3")
-            if PRECISION == "fp16":
-                s = tl.dot(my.to(tl.float16), t.to(tl.float16))
-            elif PRECISION == "bf16":
-                s = tl.dot(my.to(tl.bfloat16), t.to(tl.bfloat16))
-            elif PRECISION == "tf32":
-                s = tl.dot(my, t, input_precision="tf32")            # [BU, BU]: along y
-            elif PRECISION == "ieee":
-                s = tl.dot(my, t, input_precision="ieee")
-            else:
-                s = tl.dot(my, t, input_precision="tf32x3")
+            t = _flrelu_dot(v, mx, PRECISION)            # [BI, BU]: along x
+            s = _flrelu_dot(my, t, PRECISION)            # [BU, BU]: along y
         else:
             s = v
 
@@ -291,26 +296,8 @@ def _body():
                          mask=(ua[:, None] >= od[None, :]) & (ua[:, None] < od[None, :] + TD), other=0.0)
             dy = tl.load(cd_ptr + ua[None, :] - od[:, None],
                          mask=(ua[None, :] >= od[:, None]) & (ua[None, :] < od[:, None] + TD), other=0.0)
-            if PRECISION == "fp16":
-                s = tl.dot(s.to(tl.float16), dx.to(tl.float16))
-            elif PRECISION == "bf16":
-                s = tl.dot(s.to(tl.bfloat16), dx.to(tl.bfloat16))
-            elif PRECISION == "tf32":
-                s = tl.dot(s, dx, input_precision="tf32")            # [BU, BO]
-            elif PRECISION == "ieee":
-                s = tl.dot(s, dx, input_precision="ieee")
-            else:
-                s = tl.dot(s, dx, input_precision="tf32x3")
-            if PRECISION == "fp16":
-                s = tl.dot(dy.to(tl.float16), s.to(tl.float16))
-            elif PRECISION == "bf16":
-                s = tl.dot(dy.to(tl.bfloat16), s.to(tl.bfloat16))
-            elif PRECISION == "tf32":
-                s = tl.dot(dy, s, input_precision="tf32")            # [BO, BO]
-            elif PRECISION == "ieee":
-                s = tl.dot(dy, s, input_precision="ieee")
-            else:
-                s = tl.dot(dy, s, input_precision="tf32x3")
+            s = _flrelu_dot(s, dx, PRECISION)            # [BU, BO]
+            s = _flrelu_dot(dy, s, PRECISION)            # [BO, BO]
 
         jy = jy0 + oa
         jx = jx0 + oa
@@ -325,6 +312,7 @@ def _body():
 def _jitted():
     import triton
 
+    globals()["_flrelu_dot"] = triton.jit(_dot_body())      # resolved by name when the kernel compiles
     return triton.jit(_body())
 
 

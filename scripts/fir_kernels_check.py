@@ -288,6 +288,7 @@ def sm90_compile(first_only: bool = False) -> list[dict]:
 
     from models import filtered_lrelu_triton as flt
 
+    flt._flrelu_dot = JITFunction(flt._dot_body())     # the helper the kernel calls by name, compiled with it
     fn = JITFunction(flt._body())              # not triton.jit: that is the interpreter under TRITON_INTERPRET=1
     names = list(fn.arg_names)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -296,7 +297,7 @@ def sm90_compile(first_only: bool = False) -> list[dict]:
         cfgs = flt.configs(*case)
         for cfg in cfgs[:1] if first_only else cfgs:
             bi, bu, bo, vo, warps = cfg
-            for dtype, precision in (("fp32", "tf32x3"), ("fp32", "ieee"), ("bf16", "tf32")):
+            for dtype, precision in (("fp32", "tf32x3"), ("fp32", "ieee"), ("bf16", "tf32"), ("bf16", "fp16")):
                 const = dict(UP=case[0], DOWN=case[1], TU=case[2], TD=case[3], HAS_BIAS=True, ACT=True, CLAMP=True,
                              PRECISION=precision, BI=bi, BU=bu, BO=bo, VO=vo)
                 sig = {}
