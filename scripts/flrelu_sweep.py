@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,21 +21,7 @@ import torch  # noqa: E402
 
 from models import filtered_lrelu_triton as flt  # noqa: E402
 from models import stylegan3 as sg3  # noqa: E402
-from scripts.fir_kernels_check import sg3t_1024_calls  # noqa: E402
-
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+from scripts.fir_kernels_check import sg3t_1024_calls, time_ms  # noqa: E402  (the bench's CUDA-event timer)
 
 
 def main() -> None:
