@@ -13,7 +13,7 @@ sync_api = require_chromium()
 def test_sign_in_through_the_guard(tmp_path, testdata):
     with running_studio(tmp_path, auth=("ana", "s3cret-pass")) as demo, chromium() as browser:
         page = browser.new_context(viewport={"width": 1200, "height": 800}).new_page()
-        page.set_default_timeout(60_000)
+        page.set_default_timeout(120_000)   # an upper bound on a loaded machine
         refused: list[str] = []
         page.on("response", lambda r: refused.append(r.url) if r.status == 401 else None)
         page.goto(demo.local_url)

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.browser
 sync_api = require_chromium()
 expect = sync_api.expect
 LONG = 120_000          # ms: an upper bound for a wait on a loaded 2-core machine, never a time budget
+expect.set_options(timeout=LONG)      # Playwright's own default is 5 s
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def browser():
 def open_page(browser, studio, width=1400, height=900, context=None):
     ctx = context or browser.new_context(viewport={"width": width, "height": height})
     page = ctx.new_page()
-    page.set_default_timeout(30_000)
+    page.set_default_timeout(LONG)
     page.goto(studio.local_url)
     page.wait_for_selector("#generate-btn")
     page.wait_for_function("document.querySelector('#device-readout') !== null"
