@@ -375,9 +375,7 @@ def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):
     """A tab that closes while its job waits behind another tab's: Gradio drops the queued event, and the
     studio's queue board lets the place go (it would otherwise stay taken, counted against --queue-size)."""
     rt = studio.atelier_runtime
-    deadline = time.monotonic() + 120
-    while rt.queue.counts() != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.1)                       # poll period: the predicate decides
+    rt.queue.wait_for(lambda w, r: (w, r) == (0, 0), timeout=120)   # woken on every queue change
     assert rt.queue.counts() == (0, 0), rt.queue.counts()
     runner = open_page(browser, studio)
     set_number(runner, "sg-batch", 1)
@@ -388,18 +386,12 @@ def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):
     set_number(waiter, "sg-batch", 1)
     fill(waiter, "seed-input", "5")
     waiter.click("#generate-btn")
-    deadline = time.monotonic() + 120
-    while rt.queue.counts() != (1, 1) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    rt.queue.wait_for(lambda w, r: (w, r) == (1, 1), timeout=120)   # woken on every queue change
     assert rt.queue.counts() == (1, 1), rt.queue.counts()
     waiter.context.close()
-    deadline = time.monotonic() + 120
-    while rt.queue.counts() != (0, 1) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    rt.queue.wait_for(lambda w, r: (w, r) == (0, 1), timeout=120)   # woken on every queue change
     assert rt.queue.counts() == (0, 1), "the closed tab's waiting job kept its place in the queue"
     runner.click("#stop-btn")
-    deadline = time.monotonic() + 120
-    while rt.queue.counts() != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    rt.queue.wait_for(lambda w, r: (w, r) == (0, 0), timeout=120)   # woken on every queue change
     assert rt.queue.counts() == (0, 0), rt.queue.counts()
     runner.context.close()
