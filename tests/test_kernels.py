@@ -202,6 +202,38 @@ def test_modulated_activations_at_every_batch_equal_fused_weights(n):
         assert rel(sg3.modulated_conv2d(x, w, s, padding=1, input_gain=gain), sg3_want) < 1e-6
 
 
+@pytest.mark.parametrize("n, in_ch, out_ch, k", [(1, 13, 11, 3), (2, 16, 3, 1), (1, 8, 24, 3)])
+def test_nhwc_modulated_conv_with_ragged_channels_gives_the_same_numbers(n, in_ch, out_ch, k):
+    # modconv=activations-nhwc pads StyleGAN3's ragged channel counts (323, 203, 81, 51) to multiples of 8
+    # with zero channels, runs the conv channels-last and hands NCHW back: the same sums.
+    g = torch.Generator().manual_seed(in_ch * 10 + out_ch)
+    x, w, s = (torch.randn(n, in_ch, 10, 9, generator=g).double(), torch.randn(out_ch, in_ch, k, k, generator=g).double(),
+               torch.randn(n, in_ch, generator=g).double())
+    gain = torch.rand(in_ch, generator=g).double()
+    for demodulate in (True, False):
+        want = sg3.modulated_conv2d(x, w, s, demodulate=demodulate, padding=k - 1, input_gain=gain)
+        with ops.use_impl(modconv="activations-nhwc"):
+            got = sg3.modulated_conv2d(x, w, s, demodulate=demodulate, padding=k - 1, input_gain=gain)
+        assert got.shape == want.shape and got.is_contiguous()          # NCHW for the fused FIR kernel
+        assert rel(got, want) < 1e-6
+    # StyleGAN2 takes the choice as modulated activations.
+    with ops.use_impl(modconv="activations-nhwc"):
+        got2 = ops.modulated_conv2d(x, w, s, padding=k // 2)
+    assert rel(got2, ops.modulated_conv2d(x, w, s, padding=k // 2)) < 1e-12
+
+
+@pytest.mark.parametrize("out_ch, stride, padding", [(3, 1, 0), (5, 2, 1), (13, 1, 1)])
+def test_output_channels_padded_to_eight_give_the_plain_conv(out_ch, stride, padding):
+    # ToRGB's 3 output channels: fp16/bf16 convs on CUDA pad them to 8 by zero weight rows (ops._convolution).
+    g = torch.Generator().manual_seed(out_ch)
+    x = torch.randn(2, 16, 11, 12, generator=g).double().to(memory_format=torch.channels_last)
+    w = torch.randn(out_ch, 16, 3 if padding else 1, 3 if padding else 1, generator=g).double()
+    got = ops.padded_out_conv2d(x, w, stride=stride, padding=padding)
+    want = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding)
+    assert got.shape == want.shape
+    assert rel(got, want) < 1e-12
+
+
 def test_demodulation_stays_float32_under_bf16_autocast():
     # The unfused demodulation product must not drop to bf16 with the convolutions.
     g = torch.Generator().manual_seed(6)
@@ -221,7 +253,8 @@ def test_demodulation_stays_float32_under_bf16_autocast():
     assert seen == [torch.float32]
 
 
-@pytest.mark.parametrize("name, modconv", [(n, None) for n in NVLABS] + [(n, "activations") for n in NVLABS[:3:2]])
+@pytest.mark.parametrize("name, modconv", [(n, None) for n in NVLABS] + [(n, "activations") for n in NVLABS[:3:2]]
+                         + [(n, "activations-nhwc") for n in NVLABS[2:]])
 def test_nvlabs_pickles_reproduce_through_the_fast_path(name, modconv, testdata):
     """The fused path in fp32 still gives NVlabs' own outputs within 1e-4 (as the reference ops do)."""
     from models.stylegan import _generator_from_record
@@ -302,3 +335,23 @@ def test_full_size_layers_on_cuda_match_in_bf16():
         with ops.use_impl(fir="triton"):
             got = sg3.filtered_lrelu(x.bfloat16(), fu, fu, b, **args)
     assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_padded_convs_on_cuda_half_match_float64(dtype):
+    """The CUDA half-precision paths that pad channels: ToRGB's 3 outputs (ops._convolution) and
+    StyleGAN3's ragged channels (modconv=activations-nhwc), against float64."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 81, 40, 40, generator=g)
+    w = torch.randn(51, 81, 3, 3, generator=g)
+    s = torch.randn(1, 81, generator=g)
+    want = sg3.modulated_conv2d(x.double(), w.double(), s.double(), padding=2)
+    with ops.use_impl(modconv="activations-nhwc"), torch.no_grad():
+        got = sg3.modulated_conv2d(x.cuda().to(dtype), w.cuda(), s.cuda(), padding=2)
+    assert got.dtype == dtype and got.is_contiguous() and rel(got, want) < 1e-2
+    xr = torch.randn(1, 32, 64, 64, generator=g).cuda().to(dtype).to(memory_format=torch.channels_last)
+    wr = torch.randn(3, 32, 1, 1, generator=g).cuda().to(dtype)
+    got = ops._convolution(xr, wr)
+    assert got.shape == (1, 3, 64, 64)
+    assert rel(got, torch.nn.functional.conv2d(xr.double(), wr.double())) < 1e-2
