@@ -7,7 +7,8 @@
 #   sg3ab   bench sg3t-1024 at batch 1: fused filtered_lrelu (fir:triton) against the 1-D passes (fir:triton-1d)
 #   sg2ab   bench sg2-1024 at batch 1: best against modulated activations at batch 1 (modconv:activations),
 #           each with and without inductor freezing (ATELIER_INDUCTOR_FREEZING=1), ~4 min
-#   tests   the gpu-marked StyleGAN tests (log under $OUT)
+#   tests   tests/test_kernels.py + tests/test_filtered_lrelu_kernel.py on CUDA, then every gpu-marked StyleGAN
+#           test (generators, ops, bench, precision, compile, pruning, FP8/TensorRT refusals); log under $OUT
 #   b1      bench sg2-1024 + sg3t-1024 at batch 1
 #   tp      bench sg2-1024 throughput batches 32/64/128 (+ sg3t-1024 at 16)
 #   prof    kernel tables (torch.profiler) of the configurations named in PROF_CONFIGS
@@ -35,9 +36,12 @@ for part in "$@"; do
              --out "$OUT/sg3ab" --no-report --quiet --profile ${SG3AB_PROFILE:-all} ;;
     tests) { timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs --durations=8 -p no:cacheprovider tests/test_kernels.py \
                tests/test_filtered_lrelu_kernel.py
-             timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
+             timeout ${GPU_TESTS_TIMEOUT:-${TESTS_TIMEOUT:-300}} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
                tests/test_stylegan2.py tests/test_stylegan3.py tests/test_ops_variants.py tests/test_bench_gpu.py \
-               -k "not diffusion and not matrix_rates"; } 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
+               tests/test_optim_precision.py tests/test_optim_compile.py tests/test_optim_prune.py tests/test_optim_fp8.py \
+               tests/test_optim_tensorrt.py \
+               -k "not diffusion and not matrix_rates and not unet and not sdxl and not mlp and not all_zero and not composes"
+           } 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
     b1) timeout ${B1_TIMEOUT:-380} python3 app.py bench --workload sg2-1024,sg3t-1024 --batches 1 --configs "$B1_CONFIGS" \
           --out "$OUT/b1" --no-report --quiet --profile ${B1_PROFILE:-all} ;;
     tp) timeout ${TP_TIMEOUT:-400} python3 app.py bench --workload sg2-1024 --batches ${TP_BATCHES:-32,64,128} --configs "$TP_CONFIGS" \

@@ -307,6 +307,12 @@ def test_auto_is_the_reference_on_a_cpu_and_says_why(monkeypatch):
     assert choice == {"fir": "triton"} and "falls back" in note
     choice, _ = kernels.resolve("auto", "cuda")
     assert choice["up"] == "subpixel-fused" and choice["modconv"] == "auto"
+    # Compiled half precision modulates activations, StyleGAN3's convs channels-last (measured on an H200).
+    for precision in ("fp16", "bf16"):
+        choice, note = kernels.resolve("auto", "cuda", compiled=True, precision=precision)
+        assert choice["modconv"] == "activations-nhwc" and "activations-nhwc" in note
+    choice, _ = kernels.resolve("auto", "cuda", compiled=True, precision="fp32")
+    assert choice["modconv"] == "auto" and "up" not in choice
 
 
 def test_pipeline_reports_the_kernels_it_runs(tmp_path):
