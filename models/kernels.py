@@ -62,7 +62,8 @@ def resolve(spec: str, device: torch.device | str, compiled: bool = False,
         if compiled and precision in ("fp16", "bf16"):
             # Compiled half precision: modulated activations at every batch, StyleGAN3's convs
             # channels-last on channels padded to 8 with the layout change fused into the modulation
-            # (H200, batch 1: StyleGAN3-T 10.47 -> 9.82 ms, StyleGAN2 2.65 -> 2.57 ms; report run 24).
+            # (H200, batch 1: StyleGAN3-T 10.47 -> 9.82 ms, StyleGAN2 2.65 -> 2.57 ms in one run,
+            # docs/benchmarks/runs/2026-12-02-g-599d463-*.jsonl).
             choice["modconv"] = "activations-nhwc"
         if precision == "fp32":
             # Without tensor cores cuDNN runs the larger folded up-convs as FFTs (an H200 run:
