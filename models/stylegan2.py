@@ -674,7 +674,12 @@ class DiscriminatorEpilogue(torch.nn.Module):
         self.out = FullyConnectedLayer(in_channels, 1 if cmap_dim == 0 else cmap_dim)
 
     def forward(self, x, img, cmap, force_fp32: bool = False):
-        del force_fp32  # the epilogue always runs in float32
+        del force_fp32  # the epilogue always runs in float32, also under autocast (as NVlabs' does):
+        # the logits feed the losses, the ADA statistic and R1's gradient; bf16 would round them to 3 digits
+        with torch.autocast(x.device.type, enabled=False):
+            return self._epilogue(x, img, cmap)
+
+    def _epilogue(self, x, img, cmap):
         assert_shape(x, [None, self.in_channels, self.resolution, self.resolution], "features into D epilogue")
         x = x.to(dtype=torch.float32, memory_format=torch.contiguous_format)
         if self.architecture == "skip":

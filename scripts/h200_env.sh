@@ -3,7 +3,10 @@ set -uo pipefail
 OUT=${OUT:-outputs/h200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
+# Training needs no wheels: install them only when a call carried some.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+[ -d .device_shared/testdata ] && mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader

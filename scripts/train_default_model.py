@@ -2,6 +2,7 @@
 
     python3 scripts/train_default_model.py --out runs/emoji64 --batch 256 --compile --minutes 16   # a run
     python3 scripts/train_default_model.py --out runs/emoji64 --minutes 3 --resume     # continue it
+    python3 scripts/train_default_model.py --out runs/e2 --resume runs/emoji64 --retune --batch 256 --pl-weight 0
     python3 scripts/train_default_model.py --bench 10 --bench-compile                  # the speed ladder, img/s
     torchrun --standalone --nproc_per_node 2 scripts/train_default_model.py --bench 30 --bench-configs fast-ops
     python3 scripts/train_default_model.py --export runs/emoji64                       # -> assets/models/emoji64.*
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=1))
             write(report)
             return 0
-        from training.cli import build_parser, config_from_args
+        from training.cli import build_parser, config_from_args, retune_from_args
         from training.trainer import train
 
         ns = build_parser().parse_args(["--preset", "emoji64", "--out", args.out, *rest])
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = None
         if args.resume is not None:
             resume = args.resume or args.out
-        summary = train(cfg, resume=resume, t_start=T_START)
+        summary = train(cfg, resume=resume, t_start=T_START, retune=retune_from_args(ns))
         print(json.dumps(summary))
         return 0
     except AtelierError as exc:

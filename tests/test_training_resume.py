@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.errors import InputError
 from training.checkpoint import load_checkpoint
 from training.config import build_config
 from training.trainer import Trainer, train
@@ -105,3 +106,62 @@ def test_log_continues_across_pieces(runs):
     lines = [json.loads(x) for x in (tmp / "pieces" / "log.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if r["kind"] == "train"]
     assert steps == sorted(steps) and steps[-1] == 6 and 3 in steps
+
+
+def test_retuned_resume_changes_the_recipe_and_keeps_the_rest(runs, tmp_path):
+    """--retune: a resumed run with a new batch, learning rate, PL weight and ADA target. The networks
+    and optimizer moments are the checkpoint's; the new values are used and recorded; the sampler
+    continues from the saved image position with the new batch."""
+    tmp, *_ = runs
+    saved_doc, saved = load_checkpoint(tmp / "pieces")
+    cfg = _cfg(tmp / "squares.npy", tmp_path / "retuned", kimg=1.0)
+    tr = Trainer(cfg, resume=tmp / "pieces", write_outputs=True, log=lambda s: None,
+                 retune={"batch": 4, "lr_g": 0.001, "pl_weight": 0.0, "ada_target": 0.7})
+    assert tr.cfg.batch == 4 and tr.batch_gpu == 4 and tr.cfg.pl_weight == 0.0
+    assert set(tr.retuned) == {"batch", "lr_g", "pl_weight", "ada_target"}
+    assert tr.retuned["batch"] == (8, 4)
+    # networks, counters and moments carried over
+    for k, p in tr.G.named_parameters():
+        assert torch.equal(p.detach(), saved["G"][k]), k
+    assert tr.cur_nimg == saved_doc["cur_nimg"] and tr.step == saved_doc["step"]
+    exp_avg_sq = [v for k, v in saved["opt_G"].items() if k.endswith("exp_avg_sq")]
+    assert exp_avg_sq and any(bool((v != 0).any()) for v in exp_avg_sq)
+    state_sq = [st["exp_avg_sq"] for st in tr.opt_G.state.values()]
+    assert sum(float(v.abs().sum()) for v in state_sq) == pytest.approx(
+        sum(float(v.abs().sum()) for v in exp_avg_sq), rel=1e-6)
+    # the new learning rate replaced the saved one (G's lazy PL adjustment is gone with pl_weight 0)
+    assert [g["lr"] for g in tr.opt_G.param_groups] == [0.001]
+    assert [g["betas"] for g in tr.opt_G.param_groups] == [(0.0, 0.99)]
+    assert tr.ada.target == 0.7
+    # the sampler kept its position in images and hands out batches of the new size
+    assert tr.loader.epoch == saved_doc["sampler"]["epoch"] and tr.loader.pos == saved_doc["sampler"]["pos"]
+    before = tr.cur_nimg
+    tr.iteration()
+    assert tr.cur_nimg == before + 4
+    records = [json.loads(line) for line in (tmp_path / "retuned" / "log.jsonl").read_text().splitlines()]
+    retunes = [r for r in records if r["kind"] == "retune"]
+    assert retunes and retunes[-1]["changed"]["batch"] == {"from": 8, "to": 4}
+
+
+def test_retune_refuses_network_settings_and_needs_resume(runs, tmp_path):
+    tmp, *_ = runs
+    cfg = _cfg(tmp / "squares.npy", tmp_path / "r", kimg=1.0)
+    with pytest.raises(InputError, match="cannot change g_kwargs"):
+        Trainer(cfg, resume=tmp / "pieces", write_outputs=False, log=lambda s: None, retune={"g_kwargs": {}})
+    with pytest.raises(InputError, match="give --resume"):
+        Trainer(cfg, write_outputs=False, log=lambda s: None, retune={"batch": 4})
+    # without --retune a resumed run keeps its own recipe, whatever the command line's preset says
+    plain = Trainer(_cfg(tmp / "squares.npy", tmp_path / "r2", kimg=1.0, batch=4, pl_weight=0.0),
+                    resume=tmp / "pieces", write_outputs=False, log=lambda s: None)
+    assert plain.cfg.batch == 8 and plain.cfg.pl_weight > 0 and not plain.retuned
+
+
+def test_retune_from_the_command_line_takes_only_explicit_values():
+    from training.cli import build_parser, retune_from_args
+
+    ns = build_parser().parse_args(["--preset", "emoji64", "--resume", "x", "--retune", "--batch", "256",
+                                    "--pl-weight", "0"])
+    assert retune_from_args(ns) == {"batch": 256, "pl_weight": 0.0}
+    assert retune_from_args(build_parser().parse_args(["--resume", "x", "--batch", "256"])) is None
+    with pytest.raises(InputError, match="at least one"):
+        retune_from_args(build_parser().parse_args(["--resume", "x", "--retune"]))

@@ -176,17 +176,24 @@ class AugmentPipe(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.ndim != 4:
             raise InputError(f"augmentation expects images [N, C, H, W]; got shape {list(images.shape)}")
+        # Always in float32, autocast or not: under bf16 the colour matrix product alone rounded every
+        # image D sees (reals too, even at p = 0) to bf16's 8-bit mantissa, near one uint8 level at +-1,
+        # and bilinear resampling of bf16 adds its own rounding. The cost is a few elementwise passes.
+        with torch.autocast(images.device.type, enabled=False):
+            return self._forward(images.float())
+
+    def _forward(self, images: torch.Tensor) -> torch.Tensor:
         n, c, h, w = images.shape
         device = images.device
         x = images
         if any(self.ops.get(k) for k in _GEOM_OPS):
             G = self._geometry(n, h, w, device)
-            grid = F.affine_grid(G[:, :2, :].to(x.dtype), [n, c, h, w], align_corners=False)
+            grid = F.affine_grid(G[:, :2, :], [n, c, h, w], align_corners=False)
             pixel_exact = not any(self.ops.get(k) for k in ("scale", "rotate", "aniso", "xfrac"))
             x = F.grid_sample(x, grid, mode="nearest" if pixel_exact else "bilinear",
                               padding_mode="reflection", align_corners=False)
         if c == 3 and any(self.ops.get(k) for k in _COLOR_OPS):
-            C = self._color(n, device).to(x.dtype)
+            C = self._color(n, device)
             flat = x.reshape(n, 3, h * w)
             x = (C[:, :3, :3] @ flat + C[:, :3, 3:]).reshape(n, 3, h, w)
         if self.ops.get("cutout"):

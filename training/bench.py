@@ -17,6 +17,7 @@ change at a time so each one's share is visible:
   fast-ops-nc1  the same with the FIR blurs as 1-channel convs on an [N*C, 1, H, W] view
   batch-x2/x4   fast-ops at 2x / 4x the batch (same learning rate)
   compile       + torch.compile of the main forward passes (only with with_compile)
+  compile-x2    compile at 2x the batch (only with with_compile)
 
 The training algorithm (losses, lazy R1/PL intervals, ADA, EMA) is identical in all
 of them. Under torchrun the figures are global (all ranks), so running the same bench
@@ -49,8 +50,10 @@ LADDER = {
     "batch-x2": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", _batch_mult=2),
     "batch-x4": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", _batch_mult=4),
     "compile": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", compile=True),
+    "compile-x2": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", compile=True,
+                       _batch_mult=2),
 }
-OPTIONAL = ("compile",)    # only with with_compile (its first compilation takes minutes)
+OPTIONAL = ("compile", "compile-x2")    # only with with_compile (its first compilation takes minutes)
 
 
 def _measure(cfg: TrainConfig, data, seconds: float, warmup_seconds: float, sync: bool, log) -> dict[str, Any]:

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="wall-clock budget for the whole process; stops cleanly with --reserve-seconds left for saving")
     a("--reserve-seconds", type=float, default=None)
     a("--resume", default=None, help="run folder to continue from (exactly: data order, EMA, optimizers, ADA p)")
+    a("--retune", action="store_true",
+      help="with --resume: take the recipe settings given on this command line (--batch, --lr-g/--lr-d, "
+           "--r1-gamma, --pl-weight, --style-mixing, --ema-kimg, --aug, --aug-pipe, --ada-target, --d-steps) "
+           "instead of the run's own; networks, EMA, optimizer moments and ADA p carry over")
     a("--loss", choices=LOSSES, default=None, help="r1: non-saturating + lazy R1 (default) | wgan-gp")
     a("--optimizer", choices=OPTIMIZERS, default=None,
       help="stylegan2: Adam(0, 0.99) | wgan-gp: G RAdam, D Adam(0.5, 0.9), lr 1e-4 (default follows --loss)")
@@ -92,6 +96,20 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax")
 
 
+def retune_from_args(args: argparse.Namespace) -> dict | None:
+    """The recipe settings given explicitly on the command line, when --retune asks for them."""
+    if not getattr(args, "retune", False):
+        return None
+    from training.trainer import RESUME_RETUNABLE
+
+    given = {k: getattr(args, k) for k in RESUME_RETUNABLE if getattr(args, k, None) is not None}
+    if not given:
+        from core.errors import InputError
+
+        raise InputError("--retune needs at least one recipe setting to change, e.g. --batch 256 --pl-weight 0")
+    return given
+
+
 def config_from_args(args: argparse.Namespace):
     overrides = {k: getattr(args, k) for k in _PASS_THROUGH}
     overrides["out"] = args.out or f"runs/{args.preset}"
@@ -120,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from training.trainer import train
 
-        summary = train(cfg, resume=args.resume, t_start=t_start)
+        summary = train(cfg, resume=args.resume, t_start=t_start, retune=retune_from_args(args))
         print(json.dumps(summary))
         return 0
     except AtelierError as exc:

@@ -314,11 +314,13 @@ class ImageBatches:
         """The sampler state after the last batch handed out (a prefetched batch does not count)."""
         return dict(self._handed)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, allow_batch_change: bool = False) -> None:
+        """Continue after the saved position. With `allow_batch_change` (a retuned resume) the saved
+        position, counted in images, is kept and the next batch of the new size starts there."""
         if int(state["length"]) != self.length:
             raise InputError(f"the checkpoint was trained on {state['length']} images (with mirroring) but this "
                              f"dataset has {self.length}; resume with the same --data and --mirror")
-        if int(state["global_batch"]) != self.global_batch:
+        if int(state["global_batch"]) != self.global_batch and not allow_batch_change:
             raise InputError(f"the checkpoint used a global batch of {state['global_batch']}; resume with the "
                              f"same --batch (it was {self.global_batch})")
         self.epoch = int(state["epoch"])

@@ -58,6 +58,11 @@ RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", 
                       "progress", "device", "data", "data_device", "compile", "precision", "tf32",
                       "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
                       "snapshot_ema")
+# Settings of the training recipe (not of the networks) that a resumed run changes only when asked to
+# (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
+# the counters carry over; a new learning rate or Adam beta replaces the saved one.
+RESUME_RETUNABLE = ("batch", "lr_g", "lr_d", "r1_gamma", "r1_interval", "pl_weight", "style_mixing", "ema_kimg",
+                    "aug", "aug_pipe", "ada_target", "ada_kimg", "d_steps")
 
 LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
@@ -179,14 +184,19 @@ class Trainer:
               "acc_real", "acc_fake", "acc_n")
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
-                 t_start: float | None = None, write_outputs: bool = True, data: tuple | None = None):
+                 t_start: float | None = None, write_outputs: bool = True, data: tuple | None = None,
+                 retune: dict[str, Any] | None = None):
         self.t_start = time.time() if t_start is None else t_start
         self.say = log
         self.write_outputs = write_outputs
         resume_doc = None
+        self.retuned: dict[str, tuple[Any, Any]] = {}
+        if retune and resume is None:
+            raise InputError("--retune changes the recipe of a resumed run; give --resume RUN with it")
         if resume is not None:
             resume_doc = ckpt.read_state(resume)
             cfg = self._merge_resume_config(resume_doc["config"], cfg)
+            cfg, self.retuned = self._retune(cfg, retune or {})
         self.dist = dist_utils.setup(cfg.device)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
@@ -291,6 +301,9 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if resume is not None:
                 self._carry_log(Path(resume))
+            if self.retuned:
+                self._append_log({"kind": "retune", "kimg": round(self.cur_nimg / 1000, 3),
+                                  "changed": {k: {"from": a, "to": b} for k, (a, b) in self.retuned.items()}})
         if self.monitor is not None and self.monitor.state.real_distance <= 0:
             self.monitor.set_reference(to_float(self._monitor_real.to(self.device)))
 
@@ -308,6 +321,21 @@ class Trainer:
         if not requested.data:
             cfg.data = saved["data"]
         return cfg
+
+    @staticmethod
+    def _retune(cfg: TrainConfig, retune: dict[str, Any]) -> tuple[TrainConfig, dict[str, tuple[Any, Any]]]:
+        """cfg with the recipe settings in `retune` replaced; {name: (old, new)} of what changed."""
+        unknown = sorted(set(retune) - set(RESUME_RETUNABLE))
+        if unknown:
+            raise InputError(f"--retune cannot change {', '.join(unknown)} (the networks, data and seed of a run "
+                             f"are fixed); it can change {', '.join(RESUME_RETUNABLE)}")
+        cfg = copy.deepcopy(cfg)
+        changed = {}
+        for k, v in retune.items():
+            if v is not None and getattr(cfg, k) != v:
+                changed[k] = (getattr(cfg, k), v)
+                setattr(cfg, k, v)
+        return cfg, changed
 
     def _build_optimizers(self):
         cfg = self.cfg
@@ -681,13 +709,18 @@ class Trainer:
         load_state_strict(self.D, tensors["D"], "discriminator of the checkpoint")
         ckpt.load_optimizer(self.opt_G, tensors["opt_G"], doc["optimizers"]["opt_G"], "G")
         ckpt.load_optimizer(self.opt_D, tensors["opt_D"], doc["optimizers"]["opt_D"], "D")
+        if self.retuned:
+            # The saved param_groups carry the old learning rates and betas; the retuned recipe's win.
+            for opt, fresh in zip((self.opt_G, self.opt_D), self._build_optimizers()):
+                for group, new in zip(opt.param_groups, fresh.param_groups):
+                    group["lr"], group["betas"] = new["lr"], new["betas"]
         self.step = int(doc["step"])
         self.cur_nimg = int(doc["cur_nimg"])
         self.d_updates = int(doc["d_updates"])
         self.g_updates = int(doc["g_updates"])
         self.train_seconds = float(doc.get("train_seconds", 0.0))
         self.pieces = int(doc.get("pieces", 0))
-        self.loader.load_state_dict(doc["sampler"])
+        self.loader.load_state_dict(doc["sampler"], allow_batch_change="batch" in self.retuned)
         self.pl_mean.fill_(float(doc["pl_mean"]))
         if doc.get("aug_enabled") and self.aug is None:
             self._enable_augment(0.0, adaptive=doc.get("ada") is not None, target=self.cfg.ada_target)
@@ -695,9 +728,11 @@ class Trainer:
             self.aug.p.fill_(float(doc["aug_p"]))
         if self.ada is not None and doc.get("ada"):
             self.ada.load_state_dict(doc["ada"])
+            if "ada_target" in self.retuned:
+                self.ada.target = self.cfg.ada_target
         self.acc_since_monitor.copy_(torch.tensor(doc["acc_since_monitor"], dtype=torch.float32))
         rt = doc.get("runtime", {})
-        self.runtime["d_steps"] = int(rt.get("d_steps", self.cfg.d_steps))
+        self.runtime["d_steps"] = int(self.cfg.d_steps if "d_steps" in self.retuned else rt.get("d_steps", self.cfg.d_steps))
         if rt.get("d_dropout"):
             self._set_d_dropout(float(rt["d_dropout"]))
         if rt.get("mbstd_group"):
@@ -708,7 +743,9 @@ class Trainer:
             if s is not None and k in doc.get("scalers", {}):
                 s.load_state_dict(doc["scalers"][k])
         self.say(f"[resume] {folder}: kimg {self.cur_nimg / 1000:.1f}, iteration {self.step}, "
-                 f"aug p {float(self.aug.p) if self.aug is not None else 0:.3f}")
+                 f"aug p {float(self.aug.p) if self.aug is not None else 0:.3f}"
+                 + ("; retuned " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.retuned.items())
+                    if self.retuned else ""))
 
     # ------------------------------------------------------------------------------------------------
     # the run
@@ -878,9 +915,10 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
-          t_start: float | None = None) -> dict[str, Any]:
-    """Train per `cfg` (resuming from a run folder if given); returns the run summary."""
-    trainer = Trainer(cfg, resume=resume, log=log, t_start=t_start)
+          t_start: float | None = None, retune: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train per `cfg` (resuming from a run folder if given, with `retune`'s recipe changes); returns the
+    run summary."""
+    trainer = Trainer(cfg, resume=resume, log=log, t_start=t_start, retune=retune)
     try:
         return trainer.run()
     finally:
