@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 12's H200 runs: the trainer ladder, then the bundled emoji model trained in one sitting.
 #   bash scripts/h200_train.sh PART...
+#   unpack       the packed resumable state (.device_ckpt/emoji64-717.tar.xz, from
+#                scripts/pack_training_state.sh here; carry [".device_ckpt"]) -> training_state/emoji64
 #   bench        the throughput ladder (training/bench.py) on the emoji64 network -> $OUT/bench-1gpu.json
 #                (BENCH_ARGS / TRAIN_ARGS: extra trainer flags, e.g. "--cbase 8192 --cmax 256" for the wide
 #                network of the 2026-12-02 run, or "--resume training_state/emoji64" in TRAIN_ARGS)
@@ -19,6 +21,9 @@ running() { [ -f "$RUN.pid" ] && kill -0 "$(cat "$RUN.pid")" 2>/dev/null; }
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
+    unpack)
+      python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall('training_state', filter='data')" \
+        .device_ckpt/emoji64-717.tar.xz && ls training_state/emoji64 ;;
     bench)
       timeout ${BENCH_TIMEOUT:-420} python3 scripts/train_default_model.py --bench ${BENCH_SECONDS:-10} --bench-compile \
         --bench-configs ${BENCH_CONFIGS:-plain-fp32,gpu-data,bf16,channels-last,fast-ops,batch-x2,compile,compile-x2} \
