@@ -13,6 +13,17 @@ Pipelines (ADA's names): 'blit' = x-flip, 90-degree rotations, integer translati
 'color' = brightness, contrast, luma flip, hue rotation, saturation; 'bg', 'bgc'
 combine them; 'bgcc' adds cutout.
 
+'upright' (ours, not ADA's): integer and fractional translation, isotropic and
+anisotropic scale, brightness, contrast, hue, saturation; no x-flip, no 90-degree or
+arbitrary rotation, no luma flip. For data with a canonical orientation and background
+(emoji, glyphs, icons): "non-leaking" holds only while p stays below ~0.8, and ADA's p
+does not stay there when the data set is small. Two emoji64 runs leaked: one with the luma
+flip in its pipe at p ~0.6 drew black backgrounds; with 'bg' at p = 1 (reached by
+1,550 kimg) G drew emoji rotated by 90 degrees and recall fell from 0.27 to 0.05. Every
+op 'upright' keeps maps an upright image to an upright one and keeps light above dark
+(positive scales, no inversion), so even a leak of it is still a plausible sample.
+LEAK_PRONE_OPS names the ops whose leak is not; `AdaController(max_p=...)` caps p.
+
 Implementation: all geometric transformations of a sample compose into one 2x3
 matrix and are applied with a single grid_sample (reflection padding; nearest
 sampling when only pixel-exact 'blit' transforms are used, bilinear otherwise); all
@@ -43,9 +54,18 @@ PIPES = {
                 brightness=1, contrast=1, lumaflip=1, hue=1, saturation=1),
     "bgcc": dict(xflip=1, rotate90=1, xint=1, scale=1, rotate=1, aniso=1, xfrac=1,
                  brightness=1, contrast=1, lumaflip=1, hue=1, saturation=1, cutout=1),
+    "upright": dict(xint=1, scale=1, aniso=1, xfrac=1, brightness=1, contrast=1, hue=1, saturation=1),
 }
+# Ops whose leak produces samples outside the data (sideways, mirrored or colour-inverted images); the
+# collapse monitor warns when p stays high with any of them in the pipe (training/monitor.py).
+LEAK_PRONE_OPS = ("xflip", "rotate90", "rotate", "lumaflip")
 _GEOM_OPS = ("xflip", "rotate90", "xint", "scale", "rotate", "aniso", "xfrac")
 _COLOR_OPS = ("brightness", "contrast", "lumaflip", "hue", "saturation")
+
+
+def leak_prone_ops(pipe: str) -> list[str]:
+    """The LEAK_PRONE_OPS that pipeline `pipe` contains (empty for 'upright')."""
+    return [op for op in LEAK_PRONE_OPS if PIPES.get(pipe, {}).get(op)]
 
 
 def _eye(n: int, batch: int, device) -> torch.Tensor:
@@ -212,12 +232,17 @@ class AdaController:
 
     The running sums live on the device; `update()` changes p there, so the trainer's
     inner loop never waits for the GPU. The step size lets p go from 0 to 1 in
-    `speed_kimg` thousand images (ADA's ada_kimg = 500).
+    `speed_kimg` thousand images (ADA's ada_kimg = 500). p never exceeds `max_p`: NVlabs has no
+    cap (max_p = 1), but on a small data set r_t can stay above target whatever p is, and p then
+    climbs to 1, where flips and rotations leak into G (see the module docstring).
     """
 
     def __init__(self, pipe: AugmentPipe, target: float = 0.6, interval: int = 4, speed_kimg: float = 500.0,
-                 batch: int = 32, device=None):
+                 batch: int = 32, device=None, max_p: float = 1.0):
+        if not 0.0 < max_p <= 1.0:
+            raise InputError(f"the cap on ADA's p (--ada-max-p) must be in (0, 1]; got {max_p}")
         self.pipe = pipe
+        self.max_p = float(max_p)
         self.target = float(target)
         self.interval = int(interval)
         self.speed_kimg = float(speed_kimg)
@@ -237,7 +262,8 @@ class AdaController:
         rt = stats[0] / stats[1].clamp(min=1)
         step = (self.batch * self.interval) / (self.speed_kimg * 1000)
         adjust = torch.sign(rt - self.target) * step * (stats[1] > 0).float()
-        self.pipe.p.copy_((self.pipe.p + adjust).clamp(0.0, 1.0))
+        # clamp with Python bounds: p stays a device tensor and nothing waits for the GPU
+        self.pipe.p.copy_((self.pipe.p + adjust).clamp(0.0, self.max_p))
         self.last_rt.copy_(rt)
         self.stats.zero_()
 

@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", default=None, help="run folder to continue from (exactly: data order, EMA, optimizers, ADA p)")
     a("--retune", action="store_true",
       help="with --resume: take the recipe settings given on this command line (--batch, --lr-g/--lr-d, "
-           "--r1-gamma, --pl-weight, --style-mixing, --ema-kimg, --aug, --aug-pipe, --ada-target, --d-steps) "
-           "instead of the run's own; networks, EMA, optimizer moments and ADA p carry over")
+           "--r1-gamma, --pl-weight, --style-mixing, --ema-kimg, --aug, --aug-pipe, --ada-target, --ada-max-p, "
+           "--d-steps) instead of the run's own; networks, EMA, optimizer moments and ADA p carry over (p is "
+           "lowered to a new --ada-max-p)")
     a("--loss", choices=LOSSES, default=None, help="r1: non-saturating + lazy R1 (default) | wgan-gp")
     a("--optimizer", choices=OPTIMIZERS, default=None,
       help="stylegan2: Adam(0, 0.99) | wgan-gp: G RAdam, D Adam(0.5, 0.9), lr 1e-4 (default follows --loss)")
@@ -51,8 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--style-mixing", type=float, default=None)
     a("--ema-kimg", type=float, default=None)
     a("--aug", choices=AUG_MODES, default=None, help="ada (default) | fixed | none")
-    a("--aug-pipe", choices=AUG_PIPES, default=None)
-    a("--aug-p", type=float, default=None, help="initial (ada) or fixed augmentation probability")
+    a("--aug-pipe", choices=AUG_PIPES, default=None,
+      help="augmentations: ADA's blit/geom/color/bg/bgc/bgcc (default bgc), or upright: translation, scale, "
+           "brightness, contrast, hue, saturation, without flips or rotations, for data with one orientation "
+           "and background (the emoji64 preset's)")
+    a("--aug-p", type=float, default=None,
+      help="initial (ada) or fixed augmentation probability; above --ada-max-p is an error")
+    a("--ada-max-p", type=float, default=None,
+      help="cap on augmentation p, in (0, 1] (default 1.0 = none, as NVlabs; emoji64: 0.6): near p = 1 flips "
+           "and rotations leak into G (sideways or mirrored samples). A fixed --aug-p above it is an error, "
+           "not clamped")
     a("--ada-target", type=float, default=None)
     a("--mirror", action="store_true", default=None, help="add x-flipped copies of the data")
     a("--seed", type=int, default=None)
@@ -91,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimizer", "batch", "lr_g", "lr_d",
                  "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
-                 "aug_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
+                 "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax")
 

@@ -5,6 +5,13 @@ state.json, so `--resume` rebuilds the same networks, optimizers and schedule.
 Presets fill in network sizes and the StyleGAN2-ADA 'auto' heuristics
 (batch, learning rate, R1 gamma, EMA half-life) from the resolution; any field
 can still be overridden.
+
+Augmentation guards: 'upright' (in AUG_PIPES) is ADA's pipe without x-flip, rotations
+and luma flip, and `ada_max_p` caps ADA's p. Both exist because augmentation leaked
+into the bundled emoji model twice: the luma flip at p ~0.6 (black backgrounds), and,
+after p climbed to 1.0 with 'bg', 90-degree rotations (emoji on their side; recall
+0.27 -> 0.05). ADA's "non-leaking" argument holds only for p below ~0.8, and on a small
+data set r_t can stay above target whatever p is. emoji64 takes both for fresh runs.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ LOSSES = ("r1", "wgan-gp")
 OPTIMIZERS = ("stylegan2", "wgan-gp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUG_MODES = ("ada", "fixed", "none")
-AUG_PIPES = ("blit", "geom", "color", "bg", "bgc", "bgcc")
+AUG_PIPES = ("blit", "geom", "color", "bg", "bgc", "bgcc", "upright")
 # Settings that once existed and no longer do anything. Accepted (and dropped) so old checkpoints'
 # state.json and old scripts still load: `dali` chose NVIDIA DALI for decoding image folders, which
 # was removed (folders are decoded once with Pillow and cached; see training/dataset.py).
@@ -74,8 +81,9 @@ class TrainConfig:
 
     # -- augmentation (ADA) -----------------------------------------------------------------------
     aug: str = "ada"                        # ada: adaptive p | fixed: p = aug_p | none
-    aug_pipe: str = "bgc"                   # b(lit) g(eom) c(olor) [+c(utout)]
-    aug_p: float = 0.0                      # initial / fixed probability
+    aug_pipe: str = "bgc"                   # b(lit) g(eom) c(olor) [+c(utout)] | upright (no flips/rotations)
+    aug_p: float = 0.0                      # initial / fixed probability (<= ada_max_p)
+    ada_max_p: float = 1.0                  # cap on p (1.0 = none, as NVlabs); flips/rotations leak near 1
     ada_target: float = 0.6                 # target for r_t = E[sign(D(real))]
     ada_interval: int = 4                   # adjust p every N iterations
     ada_kimg: float = 500.0                 # p can go 0 -> 1 in this many kimg
@@ -183,6 +191,11 @@ def build_config(preset: str = "stylegan2", resolution: int = 0, **overrides: An
         cfg.snapshot_ema = True  # per-snapshot G_ema for the emoji metric (scripts/emoji_metrics.py)
         cfg.monitor_kimg = 100.0
         cfg.mirror = False      # letters, digits and arrows are not mirror-symmetric
+        # Emoji have one orientation and a white background. Two runs leaked augmentation into G: the
+        # luma flip at p ~0.6 (black backgrounds) and, once ADA's p reached 1.0 with 'bg', 90-degree
+        # rotations (faces on their side, recall 0.27 -> 0.05). So: no flips/rotations, and p <= 0.6.
+        cfg.aug_pipe = "upright"
+        cfg.ada_max_p = 0.6
     elif preset == "tiny":
         cfg.batch = 8
         cfg.lr_g = cfg.lr_d = 0.002
@@ -263,6 +276,12 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")
     need(1 <= cfg.d_steps <= 10, f"the D:G ratio (--d-steps) must be 1..10; got {cfg.d_steps}")
     need(0.0 <= cfg.aug_p <= 1.0, f"--aug-p must be in [0, 1]; got {cfg.aug_p}")
+    need(0.0 < cfg.ada_max_p <= 1.0,
+         f"--ada-max-p (the cap on augmentation p) must be in (0, 1]; got {cfg.ada_max_p}")
+    need(cfg.aug == "none" or cfg.aug_p <= cfg.ada_max_p,
+         f"--aug-p {cfg.aug_p} is above the cap --ada-max-p {cfg.ada_max_p}"
+         + (" (the emoji64 preset's cap)" if cfg.preset == "emoji64" and cfg.ada_max_p == 0.6 else "")
+         + f"; lower --aug-p or raise --ada-max-p to {cfg.aug_p}")
     need(0.0 < cfg.ada_target < 1.0, f"--ada-target must be in (0, 1); got {cfg.ada_target}")
     need(0.0 <= cfg.d_dropout < 1.0, f"D dropout must be in [0, 1); got {cfg.d_dropout}")
     need(0.0 <= cfg.style_mixing <= 1.0, f"style mixing probability must be in [0, 1]; got {cfg.style_mixing}")

@@ -24,14 +24,22 @@ Warnings (logged, and shown in the UI from log.jsonl):
   `window` evaluations and below `min_ratio` of the data's, or the duplicate rate
   exceeds `max_dup_rate`;
 - "d_accuracy": D accuracy stayed above `d_acc_threshold` (95%) for `patience`
-  evaluations in a row.
+  evaluations in a row;
+- "augmentation leak": the augmentation p (read by the trainer at the evaluation) has
+  been >= `leak_p` (0.8) for `leak_patience` (2) evaluations in a row while the pipe
+  has x-flips, rotations or the luma flip (training/augment.py LEAK_PRONE_OPS). ADA's
+  augmentations are non-leaking only below ~0.8; above it G learns to draw them. The
+  diversity measures cannot see this (an emoji64 run with its samples on their side
+  kept diversity 0.93), hence a check of the cause rather than of the samples.
 
 Counter-measures (only with auto_countermeasures), one per warning, in this order,
 each at most once (and not again for `patience` evaluations): more augmentation
 (ADA target +0.1 up to 0.8, or fixed p +0.2), dropout 0.3 before D's last layer,
 a larger minibatch-stddev group (group size x2 where the batch allows), one more D
 step per G step (up to 5). Each is recorded with its kimg; they are part of the
-checkpoint, so a resumed run keeps them.
+checkpoint, so a resumed run keeps them. A leak warning picks no counter-measure
+(the first one, more augmentation, would feed the leak), and while p is in the leak
+zone the augmentation measure is skipped for collapse warnings too.
 """
 from __future__ import annotations
 
@@ -84,6 +92,8 @@ class MonitorSettings:
     d_acc_threshold: float = 0.95
     patience: int = 3
     window: int = 10
+    leak_p: float = 0.8              # augmentation p at or above this ...
+    leak_patience: int = 2           # ... for this many evaluations, with flips/rotations -> warning
 
 
 @dataclass
@@ -92,6 +102,7 @@ class MonitorState:
     real_distance: float = 0.0
     real_dup_rate: float = 0.0
     high_acc_streak: int = 0
+    high_p_streak: int = 0                              # evaluations in a row with p >= leak_p and leak ops
     applied: list = field(default_factory=list)         # [{"kimg", "measure", "detail"}]
     cooldown: int = 0
 
@@ -111,8 +122,12 @@ class CollapseMonitor:
         self.state.real_dup_rate = dup
 
     def evaluate(self, samples: torch.Tensor, kimg: float, d_acc_real: float | None,
-                 d_acc_fake: float | None) -> dict:
-        """Measure `samples` (the fixed-z batch from G_ema); returns the record with its warnings."""
+                 d_acc_fake: float | None, aug_p: float | None = None, leak_ops=()) -> dict:
+        """Measure `samples` (the fixed-z batch from G_ema); returns the record with its warnings.
+
+        aug_p: the augmentation p now (None: no augmentation); leak_ops: the leak-prone ops of the
+        pipe (training.augment.leak_prone_ops), e.g. ["xflip", "rotate90", "rotate"].
+        """
         s = self.settings
         st = self.state
         if st.real_distance <= 0:
@@ -134,21 +149,38 @@ class CollapseMonitor:
             if st.high_acc_streak >= s.patience:
                 warnings.append(f"discriminator accuracy {d_acc:.1%} has stayed above {s.d_acc_threshold:.0%} "
                                 f"for {st.high_acc_streak} evaluations (D is winning: overfitting or collapse)")
+        leak_ops = sorted(leak_ops)
+        leak_zone = aug_p is not None and aug_p >= s.leak_p and bool(leak_ops)
+        st.high_p_streak = st.high_p_streak + 1 if leak_zone else 0
+        leak_warning = None
+        if st.high_p_streak >= s.leak_patience:
+            leak_warning = (f"augmentation p {aug_p:.2f} >= {s.leak_p:g} with rotations/flips: they can leak into "
+                            f"G (rotated or flipped samples); lower --ada-max-p or use --aug-pipe upright")
+            warnings.append(leak_warning)
         record = {"kimg": round(float(kimg), 3), "diversity": round(diversity, 5), "pairwise_distance": mean,
                   "duplicate_rate": dup, "d_acc": d_acc, "d_acc_real": d_acc_real, "d_acc_fake": d_acc_fake,
-                  "warnings": warnings}
+                  "aug_p": None if aug_p is None else round(float(aug_p), 5), "aug_leak_ops": leak_ops,
+                  "aug_leak_zone": leak_zone, "leak_warning": leak_warning, "warnings": warnings}
         st.history.append(record)
         return record
 
     def choose_countermeasure(self, record: dict) -> str | None:
-        """The next counter-measure to apply for this record's warnings, or None."""
+        """The next counter-measure to apply for this record's collapse warnings, or None.
+
+        A leak warning alone picks nothing: every measure here fights D overfitting, and the first,
+        more augmentation, is the cause of a leak. In the leak zone (p >= leak_p with flips/rotations)
+        'augment' is skipped for collapse warnings too.
+        """
         st = self.state
         if st.cooldown > 0:
             st.cooldown -= 1
             return None
-        if not record["warnings"]:
+        collapse = [w for w in record["warnings"] if w != record.get("leak_warning")]
+        if not collapse:
             return None
         done = {a["measure"] for a in st.applied}
+        if record.get("aug_leak_zone"):
+            done.add("augment")
         for m in COUNTERMEASURES:
             if m not in done:
                 st.cooldown = self.settings.patience
@@ -161,10 +193,12 @@ class CollapseMonitor:
     def state_dict(self) -> dict:
         st = self.state
         return {"history": st.history, "real_distance": st.real_distance, "real_dup_rate": st.real_dup_rate,
-                "high_acc_streak": st.high_acc_streak, "applied": st.applied, "cooldown": st.cooldown}
+                "high_acc_streak": st.high_acc_streak, "high_p_streak": st.high_p_streak, "applied": st.applied,
+                "cooldown": st.cooldown}
 
     def load_state_dict(self, d: dict) -> None:
         self.state = MonitorState(history=list(d.get("history", [])), real_distance=float(d["real_distance"]),
                                   real_dup_rate=float(d.get("real_dup_rate", 0.0)),
                                   high_acc_streak=int(d.get("high_acc_streak", 0)),
+                                  high_p_streak=int(d.get("high_p_streak", 0)),
                                   applied=list(d.get("applied", [])), cooldown=int(d.get("cooldown", 0)))

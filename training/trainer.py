@@ -48,7 +48,7 @@ from models import ops
 from training import checkpoint as ckpt
 from training import distributed as dist_utils
 from training import losses
-from training.augment import AdaController, AugmentPipe
+from training.augment import AdaController, AugmentPipe, leak_prone_ops
 from training.config import TrainConfig, finalize
 from training.dataset import ImageBatches, _mix, image_grid, load_images, to_float, to_uint8_hwc
 from training.monitor import CollapseMonitor
@@ -62,7 +62,7 @@ RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", 
 # (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
 RESUME_RETUNABLE = ("batch", "lr_g", "lr_d", "r1_gamma", "r1_interval", "pl_weight", "style_mixing", "ema_kimg",
-                    "aug", "aug_pipe", "ada_target", "ada_kimg", "d_steps")
+                    "aug", "aug_pipe", "ada_target", "ada_kimg", "ada_max_p", "d_steps")
 
 LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
@@ -335,6 +335,11 @@ class Trainer:
             if v is not None and getattr(cfg, k) != v:
                 changed[k] = (getattr(cfg, k), v)
                 setattr(cfg, k, v)
+        if "ada_max_p" in changed and cfg.aug_p > cfg.ada_max_p:
+            # The run's initial/fixed p is above the new cap; the cap is what was asked for (the
+            # restored p is clamped the same way in _load), so the saved aug_p follows it, logged.
+            changed["aug_p"] = (cfg.aug_p, cfg.ada_max_p)
+            cfg.aug_p = cfg.ada_max_p
         return cfg, changed
 
     def _build_optimizers(self):
@@ -365,7 +370,8 @@ class Trainer:
         self.aug = AugmentPipe(self.cfg.aug_pipe, p=p).to(self.device)
         if adaptive:
             self.ada = AdaController(self.aug, target=target, interval=self.cfg.ada_interval,
-                                     speed_kimg=self.cfg.ada_kimg, batch=self.cfg.batch, device=self.device)
+                                     speed_kimg=self.cfg.ada_kimg, batch=self.cfg.batch, device=self.device,
+                                     max_p=self.cfg.ada_max_p)
 
     def _set_d_dropout(self, p: float) -> None:
         for m in self.D.modules():
@@ -569,7 +575,11 @@ class Trainer:
         record = None
         if self.is_main:
             samples = self.render(self.cfg.monitor_samples, seed=GRID_SEED + 1)
-            record = self.monitor.evaluate(samples, kimg, a_real / n if n else None, a_fake / n if n else None)
+            # Reading p here costs nothing extra: acc.tolist() above already waited for the GPU.
+            aug_p = float(self.aug.p) if self.aug is not None else None
+            aug_ops = leak_prone_ops(self.aug.pipe) if self.aug is not None else []
+            record = self.monitor.evaluate(samples, kimg, a_real / n if n else None, a_fake / n if n else None,
+                                           aug_p=aug_p, leak_ops=aug_ops)
             if self.cfg.auto_countermeasures:
                 action = self.monitor.choose_countermeasure(record)
         action = dist_utils.broadcast_object(action, self.dist)
@@ -597,7 +607,7 @@ class Trainer:
             if self.ada is not None:
                 self.ada.target = min(self.ada.target + 0.1, 0.8)
                 return f"ADA target raised to {self.ada.target:.2f}"
-            self.aug.p.fill_(min(float(self.aug.p) + 0.2, 0.8))
+            self.aug.p.fill_(min(float(self.aug.p) + 0.2, 0.8, self.cfg.ada_max_p))
             return f"fixed augmentation p raised to {float(self.aug.p):.2f}"
         if measure == "dropout":
             self._set_d_dropout(0.3)
@@ -730,6 +740,9 @@ class Trainer:
             self.ada.load_state_dict(doc["ada"])
             if "ada_target" in self.retuned:
                 self.ada.target = self.cfg.ada_target
+        if self.aug is not None:
+            # A run retuned to a lower --ada-max-p starts at the cap, not above it (a host-side fill at load).
+            self.aug.p.fill_(min(float(self.aug.p), self.cfg.ada_max_p))
         self.acc_since_monitor.copy_(torch.tensor(doc["acc_since_monitor"], dtype=torch.float32))
         rt = doc.get("runtime", {})
         self.runtime["d_steps"] = int(self.cfg.d_steps if "d_steps" in self.retuned else rt.get("d_steps", self.cfg.d_steps))
