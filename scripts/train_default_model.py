@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=1))
             write(report)
             return 0
-        from training.cli import build_parser, config_from_args, retune_from_args
+        from training.cli import build_parser, config_from_args, given_from_args, retune_from_args
         from training.trainer import train
 
         ns = build_parser().parse_args(["--preset", "emoji64", "--out", args.out, *rest])
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = None
         if args.resume is not None:
             resume = args.resume or args.out
-        summary = train(cfg, resume=resume, t_start=T_START, retune=retune_from_args(ns))
+        summary = train(cfg, resume=resume, t_start=T_START, retune=retune_from_args(ns), given=given_from_args(ns))
         print(json.dumps(summary))
         return 0
     except AtelierError as exc:

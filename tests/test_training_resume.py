@@ -165,3 +165,18 @@ def test_retune_from_the_command_line_takes_only_explicit_values():
     assert retune_from_args(build_parser().parse_args(["--resume", "x", "--batch", "256"])) is None
     with pytest.raises(InputError, match="at least one"):
         retune_from_args(build_parser().parse_args(["--resume", "x", "--retune"]))
+
+
+def test_resume_takes_an_explicit_value_equal_to_the_default(runs, tmp_path):
+    """`--snapshot-kimg 200` on resume is 200 even though 200 is the dataclass default (the saved run
+    has 0); without the explicit mark the saved value would win, as it did before."""
+    from training.cli import build_parser, given_from_args
+
+    tmp, *_ = runs
+    cfg = _cfg(tmp / "squares.npy", tmp_path / "e", kimg=1.0, snapshot_kimg=200.0)
+    asked = Trainer(cfg, resume=tmp / "pieces", write_outputs=False, log=lambda s: None, given={"snapshot_kimg"})
+    assert asked.cfg.snapshot_kimg == 200.0
+    silent = Trainer(cfg, resume=tmp / "pieces", write_outputs=False, log=lambda s: None)
+    assert silent.cfg.snapshot_kimg == 0.0
+    ns = build_parser().parse_args(["--resume", "x", "--snapshot-kimg", "200", "--compile"])
+    assert {"snapshot_kimg", "compile"} <= given_from_args(ns) and "batch" not in given_from_args(ns)

@@ -119,6 +119,12 @@ def retune_from_args(args: argparse.Namespace) -> dict | None:
     return given
 
 
+def given_from_args(args: argparse.Namespace) -> set[str]:
+    """The settings given explicitly on the command line (a resumed run takes these even when they
+    equal the built-in default)."""
+    return {k for k in _PASS_THROUGH if getattr(args, k, None) is not None}
+
+
 def config_from_args(args: argparse.Namespace):
     overrides = {k: getattr(args, k) for k in _PASS_THROUGH}
     overrides["out"] = args.out or f"runs/{args.preset}"
@@ -147,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from training.trainer import train
 
-        summary = train(cfg, resume=args.resume, t_start=t_start, retune=retune_from_args(args))
+        summary = train(cfg, resume=args.resume, t_start=t_start, retune=retune_from_args(args),
+                        given=given_from_args(args))
         print(json.dumps(summary))
         return 0
     except AtelierError as exc:

@@ -185,7 +185,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
                  t_start: float | None = None, write_outputs: bool = True, data: tuple | None = None,
-                 retune: dict[str, Any] | None = None):
+                 retune: dict[str, Any] | None = None, given: set[str] | frozenset = frozenset()):
         self.t_start = time.time() if t_start is None else t_start
         self.say = log
         self.write_outputs = write_outputs
@@ -195,7 +195,7 @@ class Trainer:
             raise InputError("--retune changes the recipe of a resumed run; give --resume RUN with it")
         if resume is not None:
             resume_doc = ckpt.read_state(resume)
-            cfg = self._merge_resume_config(resume_doc["config"], cfg)
+            cfg = self._merge_resume_config(resume_doc["config"], cfg, given)
             cfg, self.retuned = self._retune(cfg, retune or {})
         self.dist = dist_utils.setup(cfg.device)
         self.device = self.dist.device
@@ -311,12 +311,16 @@ class Trainer:
     # construction helpers
 
     @staticmethod
-    def _merge_resume_config(saved: dict, requested: TrainConfig) -> TrainConfig:
+    def _merge_resume_config(saved: dict, requested: TrainConfig, given: set[str] | frozenset = frozenset()
+                             ) -> TrainConfig:
+        """The saved config with the resumable settings the caller asked for. A setting counts as asked
+        for when it is in `given` (given on the command line) or differs from the dataclass default;
+        without `given`, an explicit value equal to the default (--snapshot-kimg 200) would be lost."""
         cfg = TrainConfig.from_dict(saved)
         for k in RESUME_OVERRIDABLE:
             default = getattr(TrainConfig(), k)
             v = getattr(requested, k)
-            if v != default or k in ("out", "kimg", "minutes"):
+            if k in given or v != default or k in ("out", "kimg", "minutes"):
                 setattr(cfg, k, v)
         if not requested.data:
             cfg.data = saved["data"]
@@ -928,10 +932,11 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
-          t_start: float | None = None, retune: dict[str, Any] | None = None) -> dict[str, Any]:
+          t_start: float | None = None, retune: dict[str, Any] | None = None,
+          given: set[str] | frozenset = frozenset()) -> dict[str, Any]:
     """Train per `cfg` (resuming from a run folder if given, with `retune`'s recipe changes); returns the
     run summary."""
-    trainer = Trainer(cfg, resume=resume, log=log, t_start=t_start, retune=retune)
+    trainer = Trainer(cfg, resume=resume, log=log, t_start=t_start, retune=retune, given=given)
     try:
         return trainer.run()
     finally:
