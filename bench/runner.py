@@ -264,6 +264,9 @@ def unavailable_here(flags: OptimizationFlags, wl: Workload, device: torch.devic
             reasons.append(f"fp8: {r}")
         elif wl.kind == "stylegan":
             reasons.append(f"fp8: {STYLEGAN_FP8}")
+    if flags.fuse_qkv and wl.kind == "stylegan":
+        from optim.fused_qkv import STYLEGAN_REASON
+        reasons.append(f"fuse_qkv: {STYLEGAN_REASON}")
     if flags.compile != "off":
         r = opt_compile.unavailable_reason(device)
         if r:

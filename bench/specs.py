@@ -180,10 +180,13 @@ _CONFIGS: dict[str, tuple[dict | None, str]] = {
     "tensorrt": (dict(precision="fp16", tensorrt=True), "TensorRT engine, fp16"),
     "best": ({}, "the best combination for this workload"),
     "best-fp8": ({}, "the best combination + FP8 linear layers"),
+    # 'best' + fused QKV and nothing else, so the two rows A/B the fusion alone
+    "best-fqkv": ({}, "the best combination + fused QKV projections (compare with best)"),
 }
 DEFAULT_CONFIGS = tuple(_CONFIGS)
 _FLAG_KEYS = {"precision": str, "channels_last": bool, "attention": str, "compile": str, "fp8": bool,
-              "prune": float, "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": str, "kernels": str}
+              "prune": float, "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": str, "kernels": str,
+              "fuse_qkv": bool}
 
 
 def _parse_bool(v: str) -> bool:
@@ -238,6 +241,8 @@ def resolve_configs(workload: Workload, names: list[str] | tuple[str, ...] | Non
                 kw = dict(workload.best, fp8=True)
                 if kw.get("compile", "off") == "off":
                     kw["compile"] = "default"
+            elif raw == "best-fqkv":
+                kw = dict(workload.best, fuse_qkv=True)
             elif raw in ("prune-25", "prune-50"):
                 # Pruning composed with everything else: the H200's eager bf16 prune rows were launch- and
                 # sync-bound, where fewer FLOPs buy nothing; against `best` the row shows what pruning adds.
@@ -251,7 +256,7 @@ def resolve_configs(workload: Workload, names: list[str] | tuple[str, ...] | Non
         flags = OptimizationFlags(**kw)
         if strict:
             flags = replace(flags, strict=True)
-        if name in ("best", "best-fp8", "prune-25", "prune-50"):
+        if name in ("best", "best-fp8", "best-fqkv", "prune-25", "prune-50"):
             desc = f"{desc}: " + describe_flags(flags)
         fp32_layers = workload.kind == "stylegan" and flags.precision in ("fp32", "tf32")
         out.append(BenchConfig(name, flags, desc, fp32_layers=fp32_layers))
@@ -270,6 +275,8 @@ def describe_flags(flags: OptimizationFlags) -> str:
         parts.append(f"attention={flags.attention}")
     if flags.compile != "off":
         parts.append(f"compile={flags.compile}")
+    if flags.fuse_qkv:
+        parts.append("fused QKV")
     if flags.fp8:
         parts.append("fp8")
     if flags.prune_amount:

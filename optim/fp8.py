@@ -69,7 +69,8 @@ SIZE = "size filter"
 
 # Linear layers kept in bf16 for what they compute, whatever their width: (role, name parts, why).
 KEPT_BY_ROLE = (
-    ("cross-attention K/V", ("attn2.to_k", "attn2.to_v"),
+    # attn2.to_kv: the same two projections after fuse_qkv (optim/fused_qkv.py) concatenated them
+    ("cross-attention K/V", ("attn2.to_k", "attn2.to_v", "attn2.to_kv"),
      "they project the text embedding (77 tokens), a product too small to gain from FP8; SDXL's empty "
      "negative prompt is all zeros there"),
     ("time embeddings", ("time_embedding", "time_emb_proj", "add_embedding"),

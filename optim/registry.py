@@ -5,6 +5,9 @@ Order, and why:
  2. prune       on full-precision weights, so the drift it reports is pruning's alone
  3. precision   weight casts before anything that depends on the dtype
  4. channels_last, attention, memory savers   layout and kernel choices
+ 4b. fuse_qkv   after precision (fused weights in the final dtype) and after attention / memory savers
+                (it refuses non-SDPA processors rather than undo them); before FP8, TensorRT and compile,
+                which must see the fused layers
  5. fp8         quantizes the final-dtype linear layers
  6. tensorrt    exports what the steps above produced
  7. compile     last: it traces everything above (and skips what TensorRT serves)
@@ -22,6 +25,7 @@ from optim import attention as _attention
 from optim import channels_last as _channels_last
 from optim import compile as _compile
 from optim import fp8 as _fp8
+from optim import fused_qkv as _fused_qkv
 from optim import memory as _memory
 from optim import precision as _precision
 from optim import prune as _prune
@@ -45,6 +49,8 @@ def requested_toggles(flags: OptimizationFlags) -> list[str]:
         names.append("channels_last")
     if flags.attention != "sdpa":
         names.append("attention")
+    if flags.fuse_qkv:
+        names.append("fuse_qkv")
     if flags.compile != "off":
         names.append("compile")
     if flags.fp8:
@@ -95,6 +101,8 @@ def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, k
         report["attention"] = _attention.apply(target, flags, ctx)
     if flags.memory:
         report["memory"] = _memory.apply(target, flags, ctx, offload=offload_report)
+    if flags.fuse_qkv:
+        report["fuse_qkv"] = _fused_qkv.apply(target, flags, ctx)
     # 5-7. FP8, TensorRT, compile
     if flags.fp8:
         report["fp8"] = _fp8.apply(target, flags, ctx)
@@ -144,6 +152,8 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
     fr = _fp8.unavailable_reason(dev)
     out["fp8"] = (fr is None, fr or f"torchao float8 on UNet linear layers >= {_fp8.min_features()} features "
                                     "(diffusion; cross-attention K/V and time embeddings stay bf16)")
+    out["fuse_qkv"] = (True, "one Q/K/V (cross-attention: K/V) projection per UNet / VAE attention layer "
+                             "(diffusion, SDPA attention)")
     out["prune"] = (True, "l1-unstructured; structured (StyleGAN channels"
                     + (", UNet ResNet blocks via torch-pruning)" if has_package("torch_pruning")
                        else "; UNet needs torch-pruning)"))
