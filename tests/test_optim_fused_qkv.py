@@ -199,7 +199,9 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.gpu
 def test_gpu_fp16_fused_matches_unfused():
-    """fp16 on CUDA: fused and unfused differ by fp16 rounding of differently tiled GEMMs only (> 40 dB)."""
+    """fp16 on CUDA: fused and unfused differ only by the fp16 rounding of differently tiled GEMMs, less than
+    fp16 differs from fp32 (> 30 dB in test_optim_precision), so > 35 dB; a swapped K/V split gives 23.8 dB
+    on this pipeline (measured on the CPU in fp32)."""
     from pipelines.diffusion_noise import fp32_noise
     from tests.optim_tiny import prompt_embeds, tiny_pipeline
 
@@ -213,4 +215,4 @@ def test_gpu_fp16_fused_matches_unfused():
         with fp32_noise():
             return p(prompt_embeds=pe, negative_prompt_embeds=torch.zeros_like(pe), num_inference_steps=2, height=32,
                      width=32, output_type="np", generator=torch.Generator("cpu").manual_seed(0)).images
-    assert _psnr(run(ref_pipe), run(pipe)) > 40
+    assert _psnr(run(ref_pipe), run(pipe)) > 35
