@@ -235,6 +235,16 @@ def test_matrix_rates_measure_bf16_and_both_fp8_accumulations():
     assert r["size"] == 64 and r["bf16_tflops"] > 0
     if "fp8_error" not in r:                       # _scaled_mm runs on CPUs too in current torch
         assert r["fp8_tflops"] > 0 and r["fp8_fast_accum_tflops"] > 0
+        assert r["fp8_size"] == 64
+
+
+def test_cpu_fp8_rate_is_timed_on_small_products():
+    """A CPU emulates FP8 products (seconds for one 512³): the CPU rate is taken at 128³ at most, so a CPU
+    bench run does not spend minutes on a figure that only feeds the floor arithmetic."""
+    r = matrix_rates(torch.device("cpu"), size=512, repeats=1, warmup=1)
+    assert r["size"] == 512 and r["bf16_tflops"] > 0
+    if "fp8_error" not in r:
+        assert r["fp8_size"] == 128 and r["fp8_tflops"] > 0
 
 
 def test_floor_of_an_fp8_row_mixes_the_two_rates():
