@@ -33,8 +33,7 @@ for part in "$@"; do
       python3 - "$RUN-bench/bench-1gpu.json" > "$RUN.choice" <<'EOF'
 import json, sys
 try:
-    rep = json.load(open(sys.argv[1]))
-    r = rep["configs"]
+    r = json.load(open(sys.argv[1]))["configs"]
 except (OSError, KeyError, ValueError):
     r = {}
 ok = {n: v for n, v in r.items() if "error" not in v and v.get("img_s", 0) > 0}

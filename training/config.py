@@ -6,12 +6,7 @@ Presets fill in network sizes and the StyleGAN2-ADA 'auto' heuristics
 (batch, learning rate, R1 gamma, EMA half-life) from the resolution; any field
 can still be overridden.
 
-Augmentation guards: 'upright' (in AUG_PIPES) is ADA's pipe without x-flip, rotations
-and luma flip, and `ada_max_p` caps ADA's p. Both exist because augmentation leaked
-into the bundled emoji model twice: the luma flip at p ~0.6 (black backgrounds), and,
-after p climbed to 1.0 with 'bg', 90-degree rotations (emoji on their side; recall
-0.27 -> 0.05). ADA's "non-leaking" argument holds only for p below ~0.8, and on a small
-data set r_t can stay above target whatever p is. emoji64 takes both for fresh runs.
+Augmentation guards (`aug_pipe='upright'`, `ada_max_p`): why they exist is in training/augment.py.
 """
 from __future__ import annotations
 

@@ -346,9 +346,10 @@ class Trainer:
             cfg.aug_p = cfg.ada_max_p
         return cfg, changed
 
-    def _build_optimizers(self):
+    def _optimizer_settings(self) -> tuple[tuple[float, tuple[float, float]], tuple[float, tuple[float, float]]]:
+        """((lr, betas) of G, (lr, betas) of D) for this run's recipe, with the lazy-regularization adjustment
+        (NVlabs: lr and betas ** (interval / (interval + 1)))."""
         cfg = self.cfg
-        fused = self.device.type == "cuda"
 
         def lazy(lr, betas, interval):
             if not interval:
@@ -358,16 +359,17 @@ class Trainer:
 
         g_interval = cfg.pl_interval if cfg.pl_weight > 0 else 0
         d_interval = cfg.r1_interval if cfg.loss == "r1" else 0
-        if cfg.optimizer == "stylegan2":
-            lr, betas = lazy(cfg.lr_g, (0.0, 0.99), g_interval)
-            opt_G = torch.optim.Adam(self.G.parameters(), lr=lr, betas=betas, eps=1e-8, fused=fused)
-            lr, betas = lazy(cfg.lr_d, (0.0, 0.99), d_interval)
-            opt_D = torch.optim.Adam(self.D.parameters(), lr=lr, betas=betas, eps=1e-8, fused=fused)
-        else:  # the WGAN-GP recipe
-            lr, betas = lazy(cfg.lr_g, (0.5, 0.9), g_interval)
-            opt_G = torch.optim.RAdam(self.G.parameters(), lr=lr, betas=betas, eps=1e-8)
-            lr, betas = lazy(cfg.lr_d, (0.5, 0.9), d_interval)
-            opt_D = torch.optim.Adam(self.D.parameters(), lr=lr, betas=betas, eps=1e-8, fused=fused)
+        betas = (0.0, 0.99) if cfg.optimizer == "stylegan2" else (0.5, 0.9)   # else: the WGAN-GP recipe
+        return lazy(cfg.lr_g, betas, g_interval), lazy(cfg.lr_d, betas, d_interval)
+
+    def _build_optimizers(self):
+        fused = self.device.type == "cuda"
+        (lr_g, betas_g), (lr_d, betas_d) = self._optimizer_settings()
+        if self.cfg.optimizer == "stylegan2":
+            opt_G = torch.optim.Adam(self.G.parameters(), lr=lr_g, betas=betas_g, eps=1e-8, fused=fused)
+        else:
+            opt_G = torch.optim.RAdam(self.G.parameters(), lr=lr_g, betas=betas_g, eps=1e-8)
+        opt_D = torch.optim.Adam(self.D.parameters(), lr=lr_d, betas=betas_d, eps=1e-8, fused=fused)
         return opt_G, opt_D
 
     def _enable_augment(self, p: float, adaptive: bool, target: float) -> None:
@@ -725,9 +727,9 @@ class Trainer:
         ckpt.load_optimizer(self.opt_D, tensors["opt_D"], doc["optimizers"]["opt_D"], "D")
         if self.retuned:
             # The saved param_groups carry the old learning rates and betas; the retuned recipe's win.
-            for opt, fresh in zip((self.opt_G, self.opt_D), self._build_optimizers()):
-                for group, new in zip(opt.param_groups, fresh.param_groups):
-                    group["lr"], group["betas"] = new["lr"], new["betas"]
+            for opt, (lr, betas) in zip((self.opt_G, self.opt_D), self._optimizer_settings()):
+                for group in opt.param_groups:
+                    group["lr"], group["betas"] = lr, betas
         self.step = int(doc["step"])
         self.cur_nimg = int(doc["cur_nimg"])
         self.d_updates = int(doc["d_updates"])
