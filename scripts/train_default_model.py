@@ -42,19 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench-compile", action="store_true")
     ap.add_argument("--export", nargs="?", const="", default=None, metavar="RUN",
                     help="export RUN (default --out) to assets/models/emoji64.* and docs/images/emoji64_grid.png")
+    ap.add_argument("--snapshot", default=None, metavar="KIMG|FILE",
+                    help="with --export: export this G_ema snapshot of the run (a kimg such as 3400, a name in "
+                         "RUN/snapshots, or a file) instead of the last checkpoint's G_ema")
     ap.add_argument("--to", default=str(ROOT / "assets" / "models" / "emoji64"))
     ap.add_argument("--grid", default=str(ROOT / "docs" / "images" / "emoji64_grid.png"))
     args, rest = ap.parse_known_args(argv)
 
-    from core.errors import AtelierError
+    from core.errors import AtelierError, InputError
 
     try:
+        if args.snapshot is not None and args.export is None:
+            raise InputError("--snapshot picks what --export writes: give it with --export [RUN]")
         if args.export is not None:
             from training.export import export_run
 
             from training.export import MAX_SHIPPED_BYTES
 
-            paths = export_run(args.export or args.out, args.to, grid_path=args.grid, max_bytes=MAX_SHIPPED_BYTES)
+            paths = export_run(args.export or args.out, args.to, grid_path=args.grid, max_bytes=MAX_SHIPPED_BYTES,
+                               snapshot=args.snapshot)
             print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
             return 0
         if args.bench:

@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-from core.errors import AtelierError
+from core.errors import AtelierError, InputError
 from training.config import AUG_MODES, AUG_PIPES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, build_config
 
 
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--bench-compile", action="store_true", help="also benchmark torch.compile in --bench")
     a("--export", default=None, metavar="RUN", help="export RUN's G_ema as fp16 safetensors (+ model card) and exit")
     a("--to", default=None, help="export destination stem (default assets/models/<preset>)")
+    a("--snapshot", default=None, metavar="KIMG|FILE",
+      help="with --export: export this G_ema snapshot of RUN (a kimg such as 3400, a name in RUN/snapshots, or a "
+           "file) instead of the checkpoint's G_ema, e.g. the one the emoji metric scored best")
     return ap
 
 
@@ -113,8 +116,6 @@ def retune_from_args(args: argparse.Namespace) -> dict | None:
 
     given = {k: getattr(args, k) for k in RESUME_RETUNABLE if getattr(args, k, None) is not None}
     if not given:
-        from core.errors import InputError
-
         raise InputError("--retune needs at least one recipe setting to change, e.g. --batch 256 --pl-weight 0")
     return given
 
@@ -138,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         print("note: --no-dali has no effect any more: image folders are decoded once with Pillow and cached",
               file=sys.stderr)
     try:
+        if args.snapshot is not None and not args.export:
+            raise InputError("--snapshot picks what --export writes: give it with --export RUN "
+                             "(e.g. --export runs/mine --snapshot 3400)")
         if args.export:
             from training.export import export_run
 
-            paths = export_run(args.export, args.to)
+            paths = export_run(args.export, args.to, snapshot=args.snapshot)
             print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
             return 0
         cfg = config_from_args(args)

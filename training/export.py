@@ -57,16 +57,111 @@ def _monitor_summary(doc: dict) -> dict[str, Any]:
             "countermeasures": (doc.get("monitor") or {}).get("applied", [])}
 
 
+def find_snapshot(run: Path, snapshot: str | Path) -> Path:
+    """A G_ema snapshot of `run`: a file path, a file name in run/snapshots, or its kimg ("3400")."""
+    from training.trainer import SNAPSHOT_DIR
+
+    cand = Path(snapshot).expanduser()
+    if cand.is_file():
+        return cand
+    folder = run / SNAPSHOT_DIR
+    names = [folder / str(snapshot), folder / f"{snapshot}.safetensors"]
+    try:
+        names.append(folder / f"G_ema-{int(round(float(snapshot))):06d}kimg.safetensors")
+    except ValueError:
+        pass
+    for f in names:
+        if f.is_file():
+            return f
+    have = sorted(p.name for p in folder.glob("G_ema-*kimg.safetensors")) if folder.is_dir() else []
+    raise InputError(f"no snapshot {snapshot!r} in {folder}: "
+                     + (f"it holds {', '.join(have)} (pass a kimg such as {have[-1][6:12].lstrip('0') or '0'}, a "
+                        "name, or a file path)" if have else "the run wrote no G_ema snapshots (--snapshot-ema, "
+                        "--snapshot-kimg)"))
+
+
+def _log_records(run: Path) -> list[dict]:
+    path = run / "log.jsonl"
+    if not path.is_file():
+        return []
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue          # a line cut by a killed process: the rest of the log still counts
+        if isinstance(rec, dict):
+            recs.append(rec)
+    return recs
+
+
+def snapshot_doc(run: Path, snap_meta: dict) -> dict:
+    """The run's state.json as it stood at a snapshot's kimg, rebuilt from the run's log.jsonl.
+
+    The recipe: retune records before the snapshot are applied ("to"), later ones undone ("from"),
+    so the card is right whether state.json was saved before the snapshot (a run whose last
+    checkpoint was lost) or after it. kimg, step and train time come from the snapshot itself; ADA's
+    p from the last train record before it; the monitor history is cut at it."""
+    doc = ckpt.read_state(run)
+    kimg = float(snap_meta.get("kimg", doc.get("kimg", 0.0)))
+    recs = _log_records(run)
+    cfg = dict(doc["config"])
+    retunes = [r for r in recs if r.get("kind") == "retune" and isinstance(r.get("changed"), dict)]
+    # a retune at kimg K changes the training after K: a snapshot written at K was trained before it
+    for r in reversed([r for r in retunes if r.get("kimg", 0.0) >= kimg - 1e-6]):
+        cfg.update({k: v["from"] for k, v in r["changed"].items()})
+    for r in [r for r in retunes if r.get("kimg", 0.0) < kimg - 1e-6]:
+        cfg.update({k: v["to"] for k, v in r["changed"].items()})
+    out = dict(doc, config=cfg, kimg=kimg)
+    if snap_meta.get("step") is not None:
+        out["step"] = snap_meta["step"]
+    if snap_meta.get("train_seconds") is not None:
+        out["train_seconds"] = snap_meta["train_seconds"]
+    train = [r for r in recs if r.get("kind") == "train" and r.get("kimg", 0.0) <= kimg + 1e-6]
+    if train and train[-1].get("aug_p") is not None:
+        out["aug_p"] = train[-1]["aug_p"]
+    out["pieces"] = 1 + sum(1 for r in recs if r.get("kind") == "end" and r.get("kimg", 0.0) < kimg - 1e-6)
+    hist = [{k: r.get(k) for k in ("kimg", "diversity", "pairwise_distance", "duplicate_rate", "d_acc",
+                                   "d_acc_real", "d_acc_fake")} | {"warnings": r.get("warnings") or []}
+            for r in recs if r.get("kind") == "monitor" and r.get("kimg", 0.0) <= kimg + 1e-6]
+    if hist:
+        out["monitor"] = dict(doc.get("monitor") or {}, history=hist)
+    out["exported_snapshot"] = True
+    return out
+
+
+def _load_snapshot(run: Path, snapshot: str | Path) -> tuple[torch.nn.Module, dict, Path]:
+    from models.stylegan import load_generator
+
+    path = find_snapshot(run, snapshot)
+    loaded = load_generator(path, device="cpu")
+    doc = snapshot_doc(run, loaded.config.get("metadata") or {})
+    cfg = TrainConfig.from_dict(doc["config"])
+    have = loaded.config.get("init_kwargs") or {}
+    diff = sorted(k for k, v in cfg.g_kwargs.items() if k in have and have[k] != v)
+    if loaded.arch != cfg.arch or have.get("img_resolution", cfg.resolution) != cfg.resolution or diff:
+        raise InputError(f"{path.name} is not a snapshot of the run in {run}: its network differs from the run's "
+                         f"config ({', '.join(diff) or 'architecture or resolution'}); pass the run folder it "
+                         "came from")
+    return loaded.G.eval().requires_grad_(False), doc, path
+
+
 def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | Path | None = None,
                psi: float = 0.7, description: str | None = None,
-               max_bytes: int | None = None) -> dict[str, Path]:
+               max_bytes: int | None = None, snapshot: str | Path | None = None) -> dict[str, Path]:
     """Write the fp16 generator, its JSON, the model card and (optionally) the seeds 0-63 grid.
 
+    `snapshot`: export that G_ema snapshot of the run (a kimg, a name in run/snapshots or a file)
+    instead of the checkpoint's G_ema: the snapshot a metric picked, or the newest one of a run whose
+    last checkpoint was lost. The card's recipe and monitor figures are the run's at that kimg.
     `max_bytes`: refuse a larger file (the bundled model's MAX_SHIPPED_BYTES); None = any size."""
     from models.stylegan import load_generator, save_generator
 
     run = Path(run)
-    G, doc = _load_g_ema(run)
+    if snapshot is not None:
+        G, doc, _ = _load_snapshot(run, snapshot)
+    else:
+        G, doc = _load_g_ema(run)
     cfg = TrainConfig.from_dict(doc["config"])
     to = Path(to) if to is not None else Path("assets") / "models" / cfg.preset
     data_meta = read_dataset_meta(cfg.data) if cfg.data else {}
@@ -146,6 +241,11 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
         f"EMA {cfg.ema_kimg_value():g} kimg, ADA ({cfg.aug_pipe}) final p = {t['aug_p'] if t['aug_p'] is not None else 0:.3f}, "
         f"precision {cfg.precision}.",
         f"- Generator: {t['params_G'] / 1e6:.2f} M parameters; shipped as fp16 safetensors, {size / 2**20:.1f} MiB.",
+    ]
+    if doc.get("exported_snapshot"):
+        lines += [f"- Exported from the run's G_ema snapshot at {t['kimg']:.0f} kimg (`--snapshot`); the recipe "
+                  "above is the run's at that point (its retunes from log.jsonl applied)."]
+    lines += [
         f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`.",
         "",
         "## Mode-collapse monitor (last evaluation)",
