@@ -313,7 +313,7 @@ def test_closing_the_tab_stops_its_job(browser, studio):
     assert rt.queue.counts() == (0, 0), "the closed tab's job kept the GPU"
 
 
-def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
+def test_train_tab_starts_watches_and_stops_a_run(page, studio, tmp_path, monkeypatch):
     from tests.test_training_runs import write_tiny_dataset
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")      # the trainer child inherits it (2-core box)
@@ -327,6 +327,13 @@ def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
     page.get_by_role("option", name="tiny", exact=True).click()
     page.wait_for_function("document.querySelector('#train-preset input').value === 'tiny'")
     set_number(page, "train-batch", 8)        # the tiny preset's batch, stated: 24 images must hold a batch
+    # the augmentation guards: untouched they say "the preset's"; the upright pipe picked from the list
+    assert page.locator("#train-aug-pipe input").input_value() == "preset's"
+    assert page.locator("#train-ada-max-p input[type=number]").input_value() == "0"
+    assert not page.locator("#train-retune input").is_checked()
+    page.locator("#train-aug-pipe input").click()
+    page.get_by_role("option", name="upright", exact=True).click()
+    page.wait_for_function("document.querySelector('#train-aug-pipe input').value === 'upright'")
     set_number(page, "train-kimg", 50)
     page.locator("#train-more").get_by_text("Monitor and logging").click()
     set_number(page, "train-monitor-kimg", 0.016)
@@ -349,6 +356,8 @@ def test_train_tab_starts_watches_and_stops_a_run(page, tmp_path, monkeypatch):
                            ".every(p => (p.getAttribute('d') || '').split('L').length > 3)", timeout=LONG)
     page.wait_for_function("document.querySelectorAll('#train-monitor-plot .mark-line path').length >= 1")
     page.wait_for_function("document.querySelector('#train-run-select input').value === 'browser-run'")
+    req = studio.atelier_training.status("browser-run").request
+    assert (req["aug_pipe"], req["ada_max_p"], req["retune"]) == ("upright", 0.0, False)
     if os.environ.get("ATELIER_SCREENSHOTS"):        # the screenshot shows the monitor's warnings when it has some
         try:
             page.wait_for_function("document.querySelector('#train-warnings').innerText.includes('kimg')",

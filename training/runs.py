@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import InputError, ResourceError
-from training.config import AUG_MODES, LOSSES, PRESETS, build_config
+from training.config import AUG_MODES, AUG_PIPES, LOSSES, PRESETS, build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_FILE = "run.json"
@@ -75,11 +75,14 @@ class TrainRequest:
     d_steps: int = 0                    # D:G ratio; 0 = the loss's default (r1 1:1, wgan-gp 5:1)
     aug: str = "ada"
     aug_p: float = 0.0                  # initial (ada) or fixed probability
+    aug_pipe: str = ""                  # blit, geom, color, bg, bgc, bgcc or upright; "" = the preset's
+    ada_max_p: float = 0.0              # cap on ADA's p, in (0, 1]; 0 = the preset's (1.0 = none; emoji64 0.6)
     auto_countermeasures: bool = False
     monitor_kimg: float = 0.0           # mode-collapse monitor every N kimg; 0 = the preset's
     log_every: int = 0                  # iterations between log records; 0 = the preset's
     name: str = ""                      # run folder name under the runs folder ("" = preset-date-time)
     resume: bool = False                # continue the run of that name from its checkpoint
+    retune: bool = False                # with resume: take this request's batch, d_steps, aug, aug_pipe, ada_max_p
     device: str | None = None           # cuda, cuda:N, cpu; None = the best available
     seed: int | None = None
     extra_args: tuple[str, ...] = ()    # more `app.py train` options, passed as given
@@ -118,20 +121,40 @@ class TrainRequest:
                              f"got {self.d_steps}")
         if not 0.0 <= float(self.aug_p or 0) <= 1.0:
             raise InputError(f"the augmentation probability must be in [0, 1]; got {self.aug_p}")
+        pipe = (self.aug_pipe or "").strip()
+        if pipe and pipe not in AUG_PIPES:
+            raise InputError(f"the augmentation pipe must be one of {', '.join(AUG_PIPES)} (upright: no flips or "
+                             f"rotations, for emoji, text and logos), or empty for the preset's; got {pipe!r}")
+        max_p = float(self.ada_max_p or 0)
+        if not 0.0 <= max_p <= 1.0:
+            raise InputError(f"the cap on ADA's p (Max p) must be in (0, 1], or 0 for the preset's "
+                             f"(1.0 = no cap; emoji64: 0.6); got {self.ada_max_p}")
+        if self.retune and not self.resume:
+            raise InputError("Retune changes the recipe of a run being resumed: tick Resume it as well (the run "
+                             "name is the run to continue), or untick Retune to start a new run")
         name = (self.name or "").strip()
         if name and not NAME_RE.match(name):
             raise InputError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (at most 64), "
                              "starting with a letter or digit")
         name = name or f"{self.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        req = TrainRequest(**{**asdict(self), "data": data, "resolution": res, "kimg": kimg, "minutes": minutes,
+                              "aug_pipe": pipe, "ada_max_p": max_p, "name": name,
+                              "extra_args": tuple(self.extra_args)})
         # the trainer's own validation of the options that do not depend on the data
-        build_config(self.preset, res, **self._overrides(data, kimg, minutes))
-        return TrainRequest(**{**asdict(self), "data": data, "resolution": res, "kimg": kimg, "minutes": minutes,
-                               "name": name, "extra_args": tuple(self.extra_args)})
+        cfg = build_config(self.preset, res, **req.overrides())
+        if not self.resume and cfg.aug != "none" and cfg.aug_p > cfg.ada_max_p:
+            # (a resumed run keeps its own p; a retune to a lower cap lowers it, training/trainer.py)
+            whose = "" if max_p else f" (the {self.preset} preset's)"
+            raise InputError(f"the augmentation p {cfg.aug_p:g} is above the cap on ADA's p (Max p) "
+                             f"{cfg.ada_max_p:g}{whose}; lower the augmentation p, or raise Max p to {cfg.aug_p:g}")
+        return req
 
-    def _overrides(self, data: str, kimg: float, minutes: float) -> dict[str, Any]:
-        return {"data": data or None, "kimg": kimg or None, "minutes": minutes or None, "batch": self.batch or None,
-                "loss": self.loss, "d_steps": self.d_steps or None, "aug": self.aug,
+    def overrides(self) -> dict[str, Any]:
+        """`build_config` overrides of a checked request (None = the preset's value)."""
+        return {"data": self.data or None, "kimg": self.kimg or None, "minutes": self.minutes or None,
+                "batch": self.batch or None, "loss": self.loss, "d_steps": self.d_steps or None, "aug": self.aug,
                 "aug_p": float(self.aug_p) if self.aug_p else None,
+                "aug_pipe": self.aug_pipe or None, "ada_max_p": float(self.ada_max_p) if self.ada_max_p else None,
                 "auto_countermeasures": bool(self.auto_countermeasures) or None,
                 "monitor_kimg": float(self.monitor_kimg) if self.monitor_kimg else None,
                 "log_every": int(self.log_every) if self.log_every else None, "seed": self.seed}
@@ -141,16 +164,20 @@ class TrainRequest:
         a = ["--config", self.preset, "--out", str(out), "--no-progress"]
         if self.resume:
             a += ["--resume", str(out)]
+        if self.retune:
+            a.append("--retune")
         if self.data:
             a += ["--data", self.data]
         if self.resolution:
             a += ["--resolution", str(self.resolution)]
         for flag, value in (("--kimg", self.kimg), ("--minutes", self.minutes), ("--batch", self.batch),
-                            ("--d-steps", self.d_steps), ("--aug-p", self.aug_p),
+                            ("--d-steps", self.d_steps), ("--aug-p", self.aug_p), ("--ada-max-p", self.ada_max_p),
                             ("--monitor-kimg", self.monitor_kimg), ("--log-every", self.log_every)):
             if value:
                 a += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         a += ["--loss", self.loss, "--aug", self.aug]
+        if self.aug_pipe:
+            a += ["--aug-pipe", self.aug_pipe]
         if self.auto_countermeasures:
             a.append("--auto-countermeasures")
         if self.seed is not None:
@@ -321,6 +348,8 @@ class TrainingRunManager:
                 if not (out / STATE_FILE).is_file():
                     raise InputError(f"there is no checkpoint to resume in {out}; untick Resume to start "
                                      f"a new run named {req.name!r}")
+                if not req.retune:
+                    _refuse_dropped_recipe(req, out)
             elif out.exists() and any(out.iterdir()):
                 raise InputError(f"a run named {req.name!r} already exists in {self.runs_dir}; pick another "
                                  "name, or tick Resume to continue it")
@@ -595,6 +624,29 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+# The recipe settings of a request that a plain resume would drop (the trainer keeps the run's own;
+# training/trainer.py RESUME_RETUNABLE), with the words the Train tab uses for them.
+_RECIPE_WORDS = {"batch": "batch", "d_steps": "D:G ratio", "aug_pipe": "augmentation pipe", "ada_max_p": "Max p"}
+
+
+def _refuse_dropped_recipe(req: TrainRequest, out: Path) -> None:
+    """A plain resume keeps the run's recipe; a setting asked for that differs from it would be dropped
+    without a word, so it is refused with the two ways out (Retune, or clear the setting)."""
+    saved = ((_read_json(out / STATE_FILE) or {}).get("config")) or {}
+    differ = []
+    for key, words in _RECIPE_WORDS.items():
+        asked, theirs = getattr(req, key), saved.get(key)
+        if asked and theirs is not None and asked != theirs:
+            differ.append(f"{words} {_show(asked)} (the run's: {_show(theirs)})")
+    if differ:
+        raise InputError(f"a plain resume keeps the run's recipe, so {', '.join(differ)} would be ignored; "
+                         "tick Retune to change it, or clear those settings to continue as it was")
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
+
+
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)        # started with start_new_session: the group id is the pid

@@ -23,7 +23,7 @@ import gradio as gr
 
 from core.errors import AtelierError
 from core.settings import Settings
-from training.config import AUG_MODES, LOSSES, PRESETS
+from training.config import AUG_MODES, AUG_PIPES, LOSSES, PRESETS
 from training.runs import TrainingRunManager, TrainRequest
 from ui import train_view
 
@@ -36,7 +36,10 @@ GPU_NOTE = ("Training runs as a separate process on the same GPU as generation: 
 
 # the start event's inputs, in the order of `train_start`'s parameters (its API signature)
 START_FIELDS = ("data", "preset", "resolution", "kimg", "minutes", "batch", "loss", "d_steps", "aug", "aug_p",
-                "auto_countermeasures", "name", "resume", "monitor_kimg", "log_every")
+                "auto_countermeasures", "name", "resume", "monitor_kimg", "log_every", "aug_pipe", "ada_max_p",
+                "retune")
+# "" is the preset's pipe (bgc; emoji64 upright): an untouched control never overrides a preset
+PIPE_CHOICES = [("preset's", "")] + [(p, p) for p in AUG_PIPES]
 
 
 @dataclass
@@ -154,6 +157,12 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                              info="D steps per G step; 0 = the loss's")
                     C["aug_p"] = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Augmentation p",
                                            elem_id="train-aug-p", info="ADA's start, or fixed")
+                with gr.Row():
+                    C["aug_pipe"] = gr.Dropdown(PIPE_CHOICES, value="", label="Augmentation pipe",
+                                                elem_id="train-aug-pipe",
+                                                info="upright: no flips or rotations (emoji, text, logos)")
+                    C["ada_max_p"] = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Max p",
+                                               elem_id="train-ada-max-p", info="cap on ADA's p; 0 = preset's")
                 C["auto_countermeasures"] = gr.Checkbox(
                     False, label="Automatic counter-measures", elem_id="train-auto-cm",
                     info="on a monitor warning: more augmentation, D dropout, larger mbstd group or more D steps")
@@ -162,6 +171,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                            elem_id="train-name", scale=3)
                     C["resume"] = gr.Checkbox(False, label="Resume it", elem_id="train-resume", scale=1,
                                               min_width=100, info="from its checkpoint")
+                    C["retune"] = gr.Checkbox(False, label="Retune", elem_id="train-retune", scale=1, min_width=100,
+                                              info="take this recipe")
                 with gr.Accordion("Monitor and logging", open=False, elem_id="train-more"):
                     with gr.Row():
                         C["monitor_kimg"] = gr.Number(0, label="Monitor every (kimg)", elem_id="train-monitor-kimg",
@@ -221,7 +232,7 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
 
     def train_start(data="", preset="stylegan2", resolution=0, kimg=0, minutes=0, batch=0, loss="r1", d_steps=0,
                     aug="ada", aug_p=0.0, auto_countermeasures=False, name="", resume=False, monitor_kimg=0,
-                    log_every=0, view: TrainView = None):
+                    log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, view: TrainView = None):
         """Start a training run in a separate process; the live view follows it."""
         if settings.public:
             data = _check_visitor_data(settings, str(data or ""))
@@ -231,13 +242,16 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                loss=loss or "r1", d_steps=int(d_steps or 0), aug=aug or "ada",
                                aug_p=float(aug_p or 0), auto_countermeasures=bool(auto_countermeasures),
                                name=str(name or "").strip(), resume=bool(resume),
-                               monitor_kimg=float(monitor_kimg or 0), log_every=int(log_every or 0))
+                               monitor_kimg=float(monitor_kimg or 0), log_every=int(log_every or 0),
+                               aug_pipe=str(aug_pipe or ""), ada_max_p=float(ada_max_p or 0), retune=bool(retune))
             st = manager.start(req)
         except AtelierError as exc:
             raise gr.Error(str(exc)) from None
         if req.auto_countermeasures and not monitor_kimg and preset == "tiny":
             gr.Warning("Automatic counter-measures act on the monitor's warnings, and the tiny preset has the "
                        "monitor off: set 'Monitor every (kimg)' for them to do anything.")
+        if req.aug == "none" and (req.aug_pipe or req.ada_max_p):
+            gr.Warning("Augmentation is off, so the augmentation pipe and Max p do nothing in this run.")
         view.watch(st.name)
         view.timer_on = True
         return runs_update(st.name), train_view.render_status(st), gr.Timer(TICK_S, active=True)

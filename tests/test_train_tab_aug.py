@@ -1,0 +1,182 @@
+"""The augmentation guards and --retune from the Train tab and `TrainRequest`: the pipe (upright = no flips or
+rotations), the cap on ADA's p and a retuned resume reach the trainer's config; left alone they keep the
+preset's values; bad input is refused before anything starts. No waiting on a child: the trainer runs in this
+process on the exact argv the manager would start it with (or wrote to run.json), and the manager's children
+are a stand-in `true` that trains nothing."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from core.errors import InputError
+from tests.test_training_runs import write_tiny_dataset
+from training import cli
+from training.runs import TrainingRunManager, TrainRequest
+
+TRUE = shutil.which("true")
+
+
+def child_config(req: TrainRequest, out: Path):
+    """(TrainConfig, retune dict) that `python -m training.cli` builds from the request's command line."""
+    args = cli.build_parser().parse_args(req.checked().cli_args(out))
+    return cli.config_from_args(args), cli.retune_from_args(args)
+
+
+def trainer_argv(run: Path) -> list[str]:
+    """The `training.cli` arguments the manager started the run with (run.json's argv, after `python -u -m`)."""
+    argv = json.loads((run / "run.json").read_text())["argv"]
+    assert argv[1:4] == ["-u", "-m", "training.cli"], argv
+    return argv[4:]
+
+
+def records(run: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r.get("kind") == kind]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_tiny_dataset(tmp_path_factory.mktemp("aug-data"))
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    """A manager whose 'python' is `true`: start() does all its checks and writes run.json, and nothing trains."""
+    m = TrainingRunManager(tmp_path / "runs", python=TRUE)
+    yield m
+    m.stop_all(wait=True, grace_s=5)
+
+
+def test_unset_fields_keep_the_presets_guards(tmp_path, data):
+    cfg, retune = child_config(TrainRequest(preset="emoji64"), tmp_path / "e")
+    assert (cfg.aug_pipe, cfg.ada_max_p) == ("upright", 0.6) and retune is None
+    cfg, _ = child_config(TrainRequest(data=str(data), preset="stylegan2"), tmp_path / "s")
+    assert (cfg.aug_pipe, cfg.ada_max_p) == ("bgc", 1.0)
+    args = TrainRequest(data=str(data), preset="stylegan2").checked().cli_args(tmp_path / "s")
+    assert not {"--aug-pipe", "--ada-max-p", "--retune"} & set(args)
+
+
+def test_given_fields_override_the_preset(tmp_path, data):
+    req = TrainRequest(preset="emoji64", aug_pipe="bgc", ada_max_p=0.9, aug="fixed", aug_p=0.8)
+    cfg, _ = child_config(req, tmp_path / "e")
+    assert (cfg.aug_pipe, cfg.ada_max_p, cfg.aug, cfg.aug_p) == ("bgc", 0.9, "fixed", 0.8)
+    cfg, _ = child_config(TrainRequest(data=str(data), preset="stylegan2", aug_pipe=" upright ", ada_max_p=0.5),
+                          tmp_path / "s")
+    assert (cfg.aug_pipe, cfg.ada_max_p) == ("upright", 0.5)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(ada_max_p=1.5), r"\(Max p\) must be in \(0, 1\], or 0 for the preset's .*got 1.5"),
+    (dict(ada_max_p=-0.2), r"must be in \(0, 1\]"),
+    (dict(ada_max_p=math.nan), r"must be in \(0, 1\]"),
+    (dict(aug_pipe="sideways"), r"pipe must be one of blit, geom, color, bg, bgc, bgcc, upright .*'sideways'"),
+    (dict(retune=True), "tick Resume it as well"),
+    (dict(retune=True, batch=16), "tick Resume it as well"),
+    (dict(aug="fixed", aug_p=0.8, ada_max_p=0.5), r"p 0.8 is above the cap on ADA's p \(Max p\) 0.5; .*raise Max p to 0.8"),
+    (dict(preset="emoji64", data="", aug_p=0.7), r"\(Max p\) 0.6 \(the emoji64 preset's\)"),
+])
+def test_bad_guard_settings_are_refused_before_anything_starts(stand_in, data, kw, msg):
+    with pytest.raises(InputError, match=msg):
+        stand_in.start(TrainRequest(**{"data": str(data), "preset": "tiny", "name": "bad", **kw}))
+    assert stand_in.runs() == [] and not (stand_in.runs_dir / "bad").exists()
+
+
+def test_resumed_then_retuned_run_takes_the_new_guards(stand_in, data, capsys):
+    run = stand_in.runs_dir / "guarded"
+    first = TrainRequest(data=str(data), preset="tiny", kimg=0.016, log_every=1, device="cpu", name="guarded",
+                         aug_pipe="upright", ada_max_p=0.5)
+    assert cli.main(first.checked().cli_args(run)) == 0                    # the run the manager would start
+    state = json.loads((run / "state.json").read_text())
+    assert (state["config"]["aug_pipe"], state["config"]["ada_max_p"]) == ("upright", 0.5)
+    assert state["aug_p"] <= 0.5
+
+    # a plain resume would drop new guards without a word: refused, the run untouched
+    before = (run / "state.json").read_bytes()
+    with pytest.raises(InputError, match=r"plain resume keeps the run's recipe, so augmentation pipe 'bgc' "
+                                         r"\(the run's: 'upright'\), Max p 0.3 \(the run's: 0.5\) would be "
+                                         r"ignored; tick Retune"):
+        stand_in.start(TrainRequest(preset="tiny", name="guarded", resume=True, aug_pipe="bgc", ada_max_p=0.3))
+    assert (run / "state.json").read_bytes() == before and not (run / "run.json").exists()
+
+    # the same values as the run's, or none, resume as before
+    retuned = TrainRequest(preset="tiny", name="guarded", resume=True, retune=True, kimg=0.032, log_every=1,
+                           device="cpu", aug_pipe="bgc", ada_max_p=0.3)
+    stand_in.start(retuned)
+    argv = trainer_argv(run)
+    assert "--retune" in argv and argv[argv.index("--aug-pipe") + 1] == "bgc"
+    assert argv[argv.index("--ada-max-p") + 1] == "0.3"
+    capsys.readouterr()
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    state = json.loads((run / "state.json").read_text())
+    assert (state["config"]["aug_pipe"], state["config"]["ada_max_p"]) == ("bgc", 0.3)
+    assert state["aug_p"] <= 0.3 and state["kimg"] >= 0.032
+    (change,) = records(run, "retune")
+    assert change["changed"]["aug_pipe"] == {"from": "upright", "to": "bgc"}
+    assert change["changed"]["ada_max_p"] == {"from": 0.5, "to": 0.3}
+    assert "aug" not in change["changed"]                 # the form's 'ada' is the run's: nothing to change
+
+
+def test_plain_resume_with_the_runs_own_guards_is_accepted(stand_in, data, tmp_path):
+    run = stand_in.runs_dir / "same"
+    run.mkdir(parents=True)
+    (run / "state.json").write_text(json.dumps({"config": {"aug_pipe": "upright", "ada_max_p": 0.6, "batch": 8,
+                                                           "d_steps": 1}}))
+    stand_in.start(TrainRequest(preset="tiny", name="same", resume=True, aug_pipe="upright", ada_max_p=0.6, batch=8))
+    argv = trainer_argv(run)
+    assert "--retune" not in argv and "--resume" in argv
+
+
+def _tab(tmp_path, manager):
+    import gradio as gr
+
+    from core.settings import Settings
+    from ui.train_tab import build_train_tab
+
+    settings = Settings(output_dir=tmp_path / "out", cache_dir=tmp_path / "cache", models_dirs=())
+    with gr.Blocks() as demo:
+        backend, model = gr.Radio(["stylegan"], value="stylegan"), gr.Dropdown([], allow_custom_value=True)
+        build_train_tab(settings, manager, backend=backend, model=model, model_update=lambda b, m: gr.skip(),
+                        add_model=lambda p: p)
+    start = next(f for f in demo.fns.values() if f.api_name == "train_start")
+    return demo, start
+
+
+def test_train_tab_has_the_controls_and_its_defaults_keep_the_preset(stand_in, tmp_path):
+    import gradio as gr
+
+    from ui.train_tab import START_FIELDS, TrainView
+
+    demo, start = _tab(tmp_path, stand_in)
+    props = {c["props"].get("elem_id"): c["props"] for c in demo.get_config_file()["components"]}
+    pipe, cap, retune = props["train-aug-pipe"], props["train-ada-max-p"], props["train-retune"]
+    choices = [tuple(c) for c in pipe["choices"]]
+    assert pipe["value"] == "" and choices[0] == ("preset's", "") and ("upright", "upright") in choices
+    assert cap["value"] == 0 and (cap["minimum"], cap["maximum"]) == (0, 1)
+    assert retune["value"] is False
+    assert START_FIELDS[-3:] == ("aug_pipe", "ada_max_p", "retune")     # appended: older API calls keep their order
+
+    view = TrainView()
+    with pytest.raises(gr.Error, match="tick Resume it as well"):
+        start.fn(data="", preset="emoji64", retune=True, view=view)
+    with pytest.raises(gr.Error, match="must be in"):
+        start.fn(data="", preset="emoji64", ada_max_p=2.0, view=view)
+    # what the browser sends when the new controls are left alone
+    defaults = {k: props[f"train-{k.replace('_', '-')}"]["value"] for k in ("aug_pipe", "ada_max_p", "retune")}
+    start.fn(data="", preset="emoji64", kimg=1, name="emoji", view=view, **defaults)
+    argv = trainer_argv(stand_in.runs_dir / "emoji")
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv))
+    assert (cfg.aug_pipe, cfg.ada_max_p) == ("upright", 0.6)
+    req = json.loads((stand_in.runs_dir / "emoji" / "run.json").read_text())["request"]
+    assert (req["aug_pipe"], req["ada_max_p"], req["retune"]) == ("", 0.0, False)
+
+
+def test_train_tab_passes_the_guards_it_is_given(stand_in, tmp_path, data):
+    from ui.train_tab import TrainView
+
+    _, start = _tab(tmp_path, stand_in)
+    start.fn(data=str(data), preset="tiny", name="given", aug_pipe="upright", ada_max_p=0.45, view=TrainView())
+    cfg = cli.config_from_args(cli.build_parser().parse_args(trainer_argv(stand_in.runs_dir / "given")))
+    assert (cfg.aug_pipe, cfg.ada_max_p) == ("upright", 0.45)
