@@ -35,9 +35,12 @@ def _probe_psnr(student, teacher, z, c) -> float:
 
 def distill_synthesis(student: torch.nn.Module, teacher: torch.nn.Module, steps: int, batch: int = 8,
                       lr: float = 1e-3, device: torch.device | str = "cpu", psi: float = 1.0,
-                      on_step: Callable[[int, int, float], None] | None = None, probe: int = 8) -> dict:
+                      on_step: Callable[[int, int, float], None] | None = None, probe: int = 8,
+                      seed: int = 1) -> dict:
     """Train `student.synthesis` to reproduce `teacher`'s images; returns a report (probe PSNR before and
-    after, steps, seconds). Both generators are moved to `device`; the teacher is left unchanged."""
+    after, steps, seconds). Both generators are moved to `device`; the teacher is left unchanged.
+    The training latents come from torch.Generator(`seed`) (drawn on the CPU), so a run is reproducible
+    whatever else used the global RNG before it."""
     if steps < 0 or batch < 1:
         raise InputError("distillation needs steps >= 0 and batch >= 1")
     if not hasattr(student, "synthesis") or not hasattr(teacher, "mapping"):
@@ -60,11 +63,12 @@ def distill_synthesis(student: torch.nn.Module, teacher: torch.nn.Module, steps:
     t0 = time.perf_counter()
     student.synthesis.train()
     last = float("nan")
+    tgen = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        z = torch.randn(batch, teacher.z_dim, device=dev)
+        z = torch.randn(batch, teacher.z_dim, generator=tgen).to(dev)
         c = torch.zeros(batch, teacher.c_dim, device=dev)
         if teacher.c_dim:
-            c[torch.arange(batch), torch.randint(teacher.c_dim, (batch,), device=dev)] = 1
+            c[torch.arange(batch), torch.randint(teacher.c_dim, (batch,), generator=tgen).to(dev)] = 1
         with torch.no_grad():
             ws = teacher.mapping(z, c, truncation_psi=psi)
             target = teacher.synthesis(ws, noise_mode="const").float()
@@ -82,7 +86,7 @@ def distill_synthesis(student: torch.nn.Module, teacher: torch.nn.Module, steps:
     after = _probe_psnr(student, teacher, pz, pc)
     student.mapping = copy.deepcopy(teacher.mapping)           # the student owns its weights again
     return {"steps": steps, "batch": batch, "lr": lr, "seconds": round(seconds, 2), "final_loss": round(last, 5),
-            "probe": f"{probe} latents from torch.Generator(0), const noise, pixel range [-1, 1]",
+            "probe": f"{probe} latents from torch.Generator(0), const noise, pixel range [-1, 1]", "seed": seed,
             "psnr_before_db": round(before, 2), "psnr_after_db": round(after, 2)}
 
 

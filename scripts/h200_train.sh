@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12's H200 runs: the trainer ladder, then the bundled emoji model trained in one sitting.
 #   bash scripts/h200_train.sh PART...
-#   unpack       the packed resumable state (.device_ckpt/emoji64-717.tar.xz, from
+#   unpack       the packed resumable state (.device_ckpt/emoji64.tar.xz, from
 #                scripts/pack_training_state.sh here; carry [".device_ckpt"]) -> training_state/emoji64
 #   bench        the throughput ladder (training/bench.py) on the emoji64 network -> $OUT/bench-1gpu.json
 #                (BENCH_ARGS / TRAIN_ARGS: extra trainer flags, e.g. "--cbase 8192 --cmax 256" for the wide
@@ -9,7 +9,8 @@
 #   start        pick the fastest measured configuration and start training in the background
 #                (setsid: it outlives this call while the machine stays held); TRAIN_MINUTES budget
 #   wait         follow the run for WAIT_SECONDS (default 540), then copy its latest grid, log and
-#                newest G_ema snapshot to $OUT
+#                newest G_ema snapshot to $OUT (WAIT_CKPT=1: the whole resumable checkpoint instead, 8 files
+#                in all: put them in training_state/emoji64 here and pack_training_state.sh packs them)
 #   tests        the trainer's GPU tests (log under $OUT), run beside the training
 #   finish       wait for the run to end (STOP_NOW=1: SIGTERM it first), export G_ema (fp16) + grid + model card, the emoji metric
 #                over every snapshot, a samples-vs-kimg strip; small files packed in $OUT/small.tgz
@@ -23,7 +24,7 @@ for part in "$@"; do
   case $part in
     unpack)
       python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall('training_state', filter='data')" \
-        .device_ckpt/emoji64-717.tar.xz && ls training_state/emoji64 ;;
+        .device_ckpt/emoji64.tar.xz && ls training_state/emoji64 ;;
     bench)
       timeout ${BENCH_TIMEOUT:-420} python3 scripts/train_default_model.py --bench ${BENCH_SECONDS:-10} --bench-compile \
         --bench-configs ${BENCH_CONFIGS:-plain-fp32,gpu-data,bf16,channels-last,fast-ops,batch-x2,compile,compile-x2} \
@@ -62,8 +63,20 @@ EOF
       while running && [ "$(date +%s)" -lt "$t_end" ]; do sleep 20; done
       grep -E "^\[train\] kimg" "$RUN.log" | awk 'NR % 10 == 1' | tail -12; tail -3 "$RUN.log"
       cp "$RUN/samples.png" "$OUT/" 2>/dev/null; cp "$RUN/log.jsonl" "$OUT/" 2>/dev/null
-      last=$(ls "$RUN"/snapshots/*.safetensors 2>/dev/null | tail -1)
-      [ -n "$last" ] && cp "$last" "${last%.safetensors}.json" "$OUT/" ;;
+      if [ "${WAIT_CKPT:-0}" = 1 ]; then
+        # the whole resumable checkpoint (state.json + G, G_ema, D, opt_G, opt_D: 6 files, 44 MiB for
+        # emoji64), so a machine lost before `finish` costs only the kimg since the last checkpoint;
+        # copied again if the trainer saved a newer one meanwhile (state.json changed)
+        for try in 1 2 3; do
+          cp "$RUN/state.json" "$OUT/state.json" || break
+          python3 -c "import json,sys; print(*[f for fl in json.load(open(sys.argv[1]))['files'].values() for f in fl])" \
+            "$OUT/state.json" | tr ' ' '\n' | sed "s|^|$RUN/|" | xargs -r cp -t "$OUT/"
+          cmp -s "$RUN/state.json" "$OUT/state.json" && break
+        done
+      else
+        last=$(ls "$RUN"/snapshots/*.safetensors 2>/dev/null | tail -1)
+        [ -n "$last" ] && cp "$last" "${last%.safetensors}.json" "$OUT/"
+      fi ;;
     tests)
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_training_gpu.py \
         tests/test_ops_variants.py 2>&1 | tee "$OUT/gpu-tests-training.log" | grep -E "passed|failed|FAILED|Error" ;;

@@ -119,19 +119,30 @@ def test_structured_stylegan2_real_pruning_still_makes_images(testdata):
     assert math.isfinite(r["drift"]["psnr_db"]) and 0 < r["drift"]["rel_err"] < 5
 
 
-@pytest.mark.parametrize("amount,min_psnr", [(0.05, 26.0), (0.1, 20.0)])
-def test_structured_pruning_of_a_trained_model_keeps_the_picture(amount, min_psnr):
+@pytest.mark.parametrize("amount,min_psnr", [(0.05, 16.0), (0.1, 15.0)])
+def test_structured_pruning_of_a_trained_model_keeps_the_picture(amount, min_psnr, monkeypatch):
     """The bundled (trained) emoji64 generator. Channels are ranked by what their readers see
     (activation RMS x style x weight column), not by the producer's weight row, which
-    demodulation normalises away: with the producer-L1 ranking this model measured 16.5 dB at 5 %
-    and 13.6 dB at 10 % on the same probe; now 30.5 dB and 23.7 dB."""
+    demodulation normalises away. The ranking must beat a random choice of the same number of
+    channels on the same model by a wide margin. Measured (probe / random / weight column only):
+    the 717-kimg model 30.5 / 24.3 / 19.1 dB at 5 % and 23.7 / 14.1 / 15.9 at 10 %; the 3,400-kimg
+    model, which uses its channels more evenly, 18.9 / 11.9 / 14.2 and 17.2 / 13.3 / 13.5."""
     from models.stylegan import load_generator
+    from optim import prune
 
-    G = load_generator(ROOT / "assets" / "models" / "emoji64.safetensors").G.float().eval().requires_grad_(False)
-    _, report = optim.prepare(G, Flags(prune_amount=amount, prune_method="structured"), CPU, kind="stylegan")
-    r = report["prune"]
-    assert r["applied"] and r["params_after"] < r["params_before"]
-    assert r["drift"]["psnr_db"] > min_psnr, r["drift"]
+    def psnr():
+        G = load_generator(ROOT / "assets" / "models" / "emoji64.safetensors").G.float().eval().requires_grad_(False)
+        _, report = optim.prepare(G, Flags(prune_amount=amount, prune_method="structured"), CPU, kind="stylegan")
+        r = report["prune"]
+        assert r["applied"] and r["params_after"] < r["params_before"]
+        return r["drift"]["psnr_db"]
+
+    ranked = psnr()
+    gen = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(prune._ChannelProbe, "importance",
+                        lambda self, consumers: torch.rand(consumers[0].weight.shape[1], generator=gen))
+    chance = psnr()
+    assert ranked > min_psnr and ranked > chance + 2.5, (ranked, chance)
 
 
 @pytest.mark.parametrize("make", ["tiny_unet", "tiny_sdxl_unet"])
