@@ -31,3 +31,15 @@ def testdata() -> Path:
     if not TESTDATA.is_dir():
         pytest.skip(f"shared test data not found at {TESTDATA}")
     return TESTDATA
+
+
+@pytest.fixture(scope="session")
+def tiny_sd_sdxl(tmp_path_factory) -> dict:
+    """Tiny SD and SDXL diffusers folders (random weights, real configs' structure), built once per
+    session and only read: {"sd": folder, "sdxl": folder}."""
+    from tests.diffusion_tiny import build_tiny_sd, build_tiny_sdxl
+
+    root = tmp_path_factory.mktemp("tiny-diffusion")
+    build_tiny_sd(root / "tiny-sd")
+    build_tiny_sdxl(root / "tiny-sdxl")
+    return {"sd": root / "tiny-sd", "sdxl": root / "tiny-sdxl"}

@@ -28,7 +28,6 @@ import pipelines.diffusion_noise as noise
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags
 from evaluation.drift import psnr
 from pipelines.diffusion import SCHEDULER_NAMES, DiffusionPipeline, load_diffusion
-from tests.diffusion_tiny import build_tiny_sd, build_tiny_sdxl
 
 CPU = torch.device("cpu")
 PROMPT = "a photo of a cat"
@@ -50,15 +49,7 @@ PRECISIONS = ["bf16", pytest.param("fp16", marks=pytest.mark.skipif(not _cpu_run
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("noise")
-    build_tiny_sd(root / "tiny-sd")
-    build_tiny_sdxl(root / "tiny-sdxl")
-    return {"sd": root / "tiny-sd", "sdxl": root / "tiny-sdxl"}
-
-
-@pytest.fixture(scope="module")
-def pipes(folders):
+def pipes(tiny_sd_sdxl):
     """pipes(family, precision): one DiffusionPipeline per pair, built on first use."""
     made: dict[tuple[str, str], DiffusionPipeline] = {}
 
@@ -67,7 +58,7 @@ def pipes(folders):
             flags = OptimizationFlags(precision=precision)
             # fp16 weights stay fp32 on a CPU unless asked for by dtype; on a GPU the toggle casts them so.
             dtype = torch.float16 if precision == "fp16" else None
-            loaded = load_diffusion(str(folders[family]), dtype=dtype, flags=flags)
+            loaded = load_diffusion(str(tiny_sd_sdxl[family]), dtype=dtype, flags=flags)
             made[(family, precision)] = DiffusionPipeline(loaded, flags, CPU)
         return made[(family, precision)]
 
@@ -215,12 +206,12 @@ def test_no_draw_is_made_in_half_precision_with_any_scheduler(pipes, half_sample
     assert half_sampler_of_torch_2_11 and set(half_sampler_of_torch_2_11) == {torch.float32}
 
 
-def test_fp32_ancestral_image_equals_plain_diffusers(folders, pipes):
+def test_fp32_ancestral_image_equals_plain_diffusers(tiny_sd_sdxl, pipes):
     """In fp32 the per-step noise goes through diffusers' own function unchanged (the default-scheduler cases are
     in test_diffusion.py). Two separately built models: equal to float rounding."""
     from diffusers import EulerAncestralDiscreteScheduler, StableDiffusionPipeline
 
-    ref_pipe = StableDiffusionPipeline.from_pretrained(str(folders["sd"]))
+    ref_pipe = StableDiffusionPipeline.from_pretrained(str(tiny_sd_sdxl["sd"]))
     ref_pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(ref_pipe.scheduler.config)
     ref_pipe.set_progress_bar_config(disable=True)
     ref = ref_pipe(PROMPT, num_inference_steps=3, guidance_scale=6.0, width=64, height=64,

@@ -17,19 +17,10 @@ from core.errors import InputError, OptionalDependencyError
 from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags as Flags
 from optim.fused_qkv import STYLEGAN_REASON, fused_layers
 from pipelines.diffusion import DiffusionPipeline, load_diffusion
-from tests.diffusion_tiny import build_tiny_sd, build_tiny_sdxl
 from tests.optim_helpers import CPU, prepared
 
 ATOL = 1e-4
 FUSED = Flags(fuse_qkv=True)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fqkv")
-    build_tiny_sd(root / "tiny-sd")
-    build_tiny_sdxl(root / "tiny-sdxl")
-    return {"sd": root / "tiny-sd", "sdxl": root / "tiny-sdxl"}
 
 
 def _pipeline(folder, flags) -> DiffusionPipeline:
@@ -43,9 +34,9 @@ def _image(pipe: DiffusionPipeline) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", ["sd", "sdxl"])
-def test_fused_image_equals_unfused_and_reports_applied(folders, arch):
-    ref = _image(_pipeline(folders[arch], Flags()))
-    pipe = _pipeline(folders[arch], FUSED)
+def test_fused_image_equals_unfused_and_reports_applied(tiny_sd_sdxl, arch):
+    ref = _image(_pipeline(tiny_sd_sdxl[arch], Flags()))
+    pipe = _pipeline(tiny_sd_sdxl[arch], FUSED)
     out = _image(pipe)
     assert out.shape == ref.shape and np.isfinite(out).all()
     assert float(np.abs(out - ref).max()) < ATOL
@@ -65,13 +56,13 @@ def test_fused_image_equals_unfused_and_reports_applied(folders, arch):
             assert hasattr(m, "to_q") and not hasattr(m, "to_k") and hasattr(m, "to_kv")
 
 
-def test_model_manager_cache_key_separates_fused_and_unfused(folders, tmp_path):
+def test_model_manager_cache_key_separates_fused_and_unfused(tiny_sd_sdxl, tmp_path):
     from models.catalogue import Catalogue
     from pipelines.manager import ModelManager
     from tests.conftest import ROOT
 
     mgr = ModelManager(Catalogue(ROOT / "assets", ()), device="cpu", cache_dir=tmp_path)
-    req = lambda flags: GenerationRequest("diffusion", str(folders["sd"]), DiffusionParams(), flags)  # noqa: E731
+    req = lambda flags: GenerationRequest("diffusion", str(tiny_sd_sdxl["sd"]), DiffusionParams(), flags)  # noqa: E731
     plain, fused = mgr._request_key(req(Flags())), mgr._request_key(req(FUSED))
     assert plain != fused
     assert mgr._request_key(req(Flags(fuse_qkv=True, strict=True))) == fused      # strict is not part of the key
