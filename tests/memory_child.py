@@ -21,6 +21,7 @@ import numpy as np      # noqa: E402
 import psutil           # noqa: E402
 import torch            # noqa: E402
 
+from core.device import release_memory                       # noqa: E402
 from core.errors import OutOfMemory                          # noqa: E402
 from core.settings import Settings                            # noqa: E402
 from core.types import GenerationRequest, StyleGANParams      # noqa: E402
@@ -34,6 +35,24 @@ HEADROOM = 512 * MiB            # address space allowed above what the warmed-up
 
 def rss() -> int:
     return psutil.Process().memory_info().rss
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage Python can still reach: what a failed request left alive,
+    free of the allocator's noise (which pages glibc keeps moves RSS by 16-40 MiB from run to run)."""
+    import gc
+
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                st = obj.untyped_storage()
+            except RuntimeError:            # tensors without storage (meta, some wrappers)
+                continue
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
 
 
 def services(out: Path, models, max_cached: int = 4):
@@ -51,7 +70,11 @@ def oom(out: Path) -> dict:
     huge = GenerationRequest("stylegan", str(EMOJI), StyleGANParams(seeds=tuple(range(2048)), batch_size=2048))
     ref = manager.generate(normal).raw
     manager.generate(normal)                         # warm: the allocator's steady state for a normal request
+    # the baseline in the state a failure leaves (the studio trims the heap after one, core.device.release_memory):
+    # untrimmed, it held 20-60 MiB of freed pages or not, depending on where the last frees fell
+    release_memory()
     baseline = rss()
+    baseline_tensors = live_tensor_bytes()
     mapped = psutil.Process().memory_info().vms
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (mapped + HEADROOM, hard))
@@ -66,13 +89,15 @@ def oom(out: Path) -> dict:
             entry["error"] = str(exc)
             kept = exc       # held while memory is read, as the studio holds a job's error to report it
         entry["rss_after_failure"] = rss()
+        entry["tensor_bytes_after_failure"] = live_tensor_bytes()
         del kept
         result = manager.generate(normal)            # the next normal request
         entry["normal_images"] = len(result.images)
         entry["normal_max_diff"] = float(np.abs(result.raw - ref).max())
         entry["rss_after_normal"] = rss()
         rounds.append(entry)
-    return {"baseline_rss": baseline, "limit_headroom": HEADROOM, "rounds": rounds}
+    return {"baseline_rss": baseline, "baseline_tensor_bytes": baseline_tensors, "limit_headroom": HEADROOM,
+            "rounds": rounds}
 
 
 def switch(out: Path) -> dict:

@@ -32,13 +32,20 @@ def test_a_request_too_large_fails_clearly_and_memory_comes_back_20_times(tmp_pa
         assert r["error"] is not None, f"round {i}: the huge request did not fail under the limit"
         assert r["error"].startswith("out of memory for this request") and "lower the batch size" in r["error"]
         assert "can't allocate memory" in r["error"] and "alloc_cpu.cpp" not in r["error"]
-        # what the failed request allocated (up to the 512 MiB allowance) is given back, even while its error is
-        # held (no traceback of the failure keeps its tensors) ...
-        assert r["rss_after_failure"] <= baseline + 32 * MiB, \
+        # no tensor of the failed request is alive while its error is held (no traceback keeps them): its smallest
+        # activation is 16 MiB (2048 x 128 x 4 x 4 fp32); what may differ from the baseline is the previous
+        # round's normal result (4 x 3 x 64 x 64 fp32 = 192 KiB), still referenced by the child's loop
+        extra = r["tensor_bytes_after_failure"] - out["baseline_tensor_bytes"]
+        assert extra <= 1 * MiB, f"round {i}: {extra / MiB:.1f} MiB of tensors still alive after the failure"
+        # ... and the memory comes back to the system. The baseline is read after the same heap trim the studio
+        # does after a failure; glibc then still keeps 5-45 MiB of freed pages or not (measured over 7 runs of 20
+        # rounds), where a kept activation of the failing 16x16 stage would be 256 MiB.
+        assert r["rss_after_failure"] <= baseline + 80 * MiB, \
             f"round {i}: {(r['rss_after_failure'] - baseline) / MiB:.0f} MiB above the baseline after the failure"
-        # ... and the next normal request runs as before, making the same images (same pipeline object)
+        # ... and the next normal request runs as before, making the same images (same pipeline object); it is not
+        # trimmed after (measured 64-91 MiB above the trimmed baseline)
         assert r["normal_images"] == 4 and r["normal_max_diff"] <= 1e-6, r
-        assert r["rss_after_normal"] <= baseline + 96 * MiB, \
+        assert r["rss_after_normal"] <= baseline + 160 * MiB, \
             f"round {i}: {(r['rss_after_normal'] - baseline) / MiB:.0f} MiB above the baseline after a normal request"
 
 
