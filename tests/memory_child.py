@@ -104,12 +104,13 @@ def switch(out: Path) -> dict:
     # one cached pipeline at a time, so every switch really unloads one model and loads the other
     manager = services(out, (EMOJI, NVLABS), max_cached=1).manager
     requests = [GenerationRequest("stylegan", str(m), StyleGANParams(seeds=(0,), batch_size=1)) for m in (EMOJI, NVLABS)]
-    readings, loaded = [], []
+    readings, loaded, tensors = [], [], []
     for i in range(1, 51):
         manager.generate(requests[i % 2])
         loaded.append([e["model"] for e in manager.loaded()])
         readings.append(rss())
-    return {"rss": readings, "loaded": loaded, "cuda": torch.cuda.is_available()}
+        tensors.append(live_tensor_bytes())
+    return {"rss": readings, "loaded": loaded, "tensor_bytes": tensors, "cuda": torch.cuda.is_available()}
 
 
 if __name__ == "__main__":
