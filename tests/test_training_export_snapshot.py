@@ -5,7 +5,6 @@ snapshot taken before the retune must be carded with the recipe it was trained u
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from core.errors import InputError
 from models.stylegan import load_generator, save_generator
 from tests.test_training_runs import write_tiny_dataset
+from tests.training_helpers import retuned_tiny_run
 from training import cli
 from training.config import build_config, finalize
 from training.export import export_run
@@ -22,20 +22,8 @@ from training.trainer import build_networks
 @pytest.fixture(scope="module")
 def retuned_run(tmp_path_factory):
     """A tiny run (batch 8, G_ema snapshots on) whose first snapshot is kept aside, then resumed with --retune."""
-    tmp = tmp_path_factory.mktemp("snaprun")
-    data = write_tiny_dataset(tmp, 24, 16)
-    run = tmp / "run"
-    base = ["--config", "tiny", "--data", str(data), "--out", str(run), "--device", "cpu", "--snapshot-ema",
-            "--no-progress"]
-    assert cli.main([*base, "--kimg", "0.032", "--batch", "8"]) == 0
-    snaps = sorted((run / "snapshots").glob("G_ema-*.safetensors"))
-    assert snaps, "the run wrote no G_ema snapshot"
-    # sub-kimg runs name every snapshot G_ema-000000kimg: keep the first one under its own name
-    early = run / "snapshots" / "early.safetensors"
-    shutil.copy(snaps[-1], early)
-    shutil.copy(snaps[-1].with_suffix(".json"), early.with_suffix(".json"))
-    assert cli.main([*base, "--kimg", "0.064", "--resume", str(run), "--retune", "--batch", "16"]) == 0
-    return run, early
+    r = retuned_tiny_run(tmp_path_factory.mktemp("snaprun"), write_tiny_dataset)
+    return r["run"], r["early"]
 
 
 def _meta(stem):

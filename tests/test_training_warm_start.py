@@ -6,7 +6,6 @@ hold the snapshot's generator, the older D, the retuned recipe, and train on whe
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -16,23 +15,14 @@ from core.errors import InputError
 from models.stylegan import load_generator
 from scripts.warm_start_state import main as warm_main, warm_start
 from tests.test_training_runs import write_tiny_dataset
+from tests.training_helpers import retuned_tiny_run
 from training import checkpoint as ckpt
 from training import cli
 
 
 @pytest.fixture(scope="module")
 def lost_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("warm")
-    data = write_tiny_dataset(tmp, 24, 16)
-    run = tmp / "run"
-    base = ["--config", "tiny", "--data", str(data), "--out", str(run), "--device", "cpu", "--snapshot-ema",
-            "--no-progress"]
-    assert cli.main([*base, "--kimg", "0.032", "--batch", "8"]) == 0
-    old = tmp / "old"
-    shutil.copytree(run, old)
-    assert cli.main([*base, "--kimg", "0.064", "--resume", str(run), "--retune", "--batch", "16"]) == 0
-    snap = sorted((run / "snapshots").glob("G_ema-*kimg.safetensors"))[-1]
-    return {"data": data, "run": run, "old": old, "snap": snap, "tmp": tmp}
+    return retuned_tiny_run(tmp_path_factory.mktemp("warm"), write_tiny_dataset)
 
 
 def test_joined_state_holds_the_snapshot_g_the_older_d_and_the_retuned_recipe(lost_run, tmp_path, capsys):

@@ -24,3 +24,29 @@ def tiny_cfg(data, out, kimg, **kw):
                 monitor_samples=8, auto_countermeasures=True, snapshot_kimg=0.0)
     base.update(kw)
     return build_config("tiny", 16, **base)
+
+
+def retuned_tiny_run(tmp, write_dataset) -> dict:
+    """A real tiny CPU run through the CLI with G_ema snapshots: saved at 0.032 kimg (batch 8; the whole folder
+    kept as "old", its snapshot kept as run/snapshots/early.*), then resumed with --retune --batch 16 to 0.064.
+    Returns {"data", "run", "old", "early", "snap" (the newest G_ema-*kimg snapshot)}."""
+    import shutil
+
+    from training import cli
+
+    data = write_dataset(tmp, 24, 16)
+    run = tmp / "run"
+    base = ["--config", "tiny", "--data", str(data), "--out", str(run), "--device", "cpu", "--snapshot-ema",
+            "--no-progress"]
+    assert cli.main([*base, "--kimg", "0.032", "--batch", "8"]) == 0
+    snaps = sorted((run / "snapshots").glob("G_ema-*kimg.safetensors"))
+    assert snaps, "the run wrote no G_ema snapshot"
+    old = tmp / "old"
+    shutil.copytree(run, old)
+    # sub-kimg runs name every snapshot G_ema-000000kimg: keep the first one under its own name
+    early = run / "snapshots" / "early.safetensors"
+    shutil.copy(snaps[-1], early)
+    shutil.copy(snaps[-1].with_suffix(".json"), early.with_suffix(".json"))
+    assert cli.main([*base, "--kimg", "0.064", "--resume", str(run), "--retune", "--batch", "16"]) == 0
+    snap = sorted((run / "snapshots").glob("G_ema-*kimg.safetensors"))[-1]
+    return {"data": data, "run": run, "old": old, "early": early, "snap": snap}
