@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here, before a GPU call that continues the bundled model: put a resumable state (G, G_ema, D, both
 # Adam states; 44 MiB for emoji64) in training_state/emoji64/ and pack it for the device.
-#   bash scripts/pack_training_state.sh                 -> the shipped model's state (717 kimg), from git history
+#   bash scripts/pack_training_state.sh                 -> training_state/emoji64 as it is, or (when absent)
+#                                                          the 717-kimg state from git history
 #   FROM=/work/.device/N bash scripts/pack_training_state.sh
 #                                                       -> a checkpoint a `WAIT_CKPT=1 ... wait` call brought back
 # Both write .device_ckpt/emoji64.tar.xz (xz: ~38 MB; raw, 44 MiB does not fit a device call beside

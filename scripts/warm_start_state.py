@@ -39,7 +39,8 @@ def warm_start(state: str | Path, g_ema: str | Path, out: str | Path, log: str |
     from models.stylegan2 import load_state_strict
     from training import checkpoint as ckpt
     from training.config import TrainConfig
-    from training.export import _log_records, snapshot_doc
+    from training.export import snapshot_doc
+    from training.runs import LogTail
     from training.trainer import RESUME_RETUNABLE, Trainer
 
     state, g_ema, out = Path(state), Path(g_ema), Path(out)
@@ -70,7 +71,7 @@ def warm_start(state: str | Path, g_ema: str | Path, out: str | Path, log: str |
             if f.is_file() and f.name != "log.jsonl":
                 (view / f.name).symlink_to(f.resolve())
         shutil.copy(log, view / "log.jsonl")
-        records = _log_records(view)
+        records = LogTail(view / "log.jsonl").read()
         doc = snapshot_doc(view, meta)
         retune = {k: doc["config"][k] for k in RESUME_RETUNABLE
                   if k in doc["config"] and doc["config"][k] != old["config"].get(k)}
@@ -89,8 +90,10 @@ def warm_start(state: str | Path, g_ema: str | Path, out: str | Path, log: str |
                                     else (tr.step, tr.cur_nimg))
             steps = last_step + round((kimg * 1000 - last_nimg) / tr.cfg.batch)
         steps = int(steps)
+        # D:G updates go on at the state's own ratio over the iterations the snapshot is ahead
+        tr.d_updates += (steps - tr.step) * int(tr.runtime["d_steps"])
+        tr.g_updates += steps - tr.step
         tr.step, tr.cur_nimg = steps, int(round(kimg * 1000))
-        tr.d_updates = tr.g_updates = steps
         tr.train_seconds = float(meta.get("train_seconds", tr.train_seconds))
         tr.pieces = int(doc.get("pieces", tr.pieces))
         if tr.aug is not None and doc.get("aug_p") is not None:

@@ -80,21 +80,6 @@ def find_snapshot(run: Path, snapshot: str | Path) -> Path:
                         "--snapshot-kimg)"))
 
 
-def _log_records(run: Path) -> list[dict]:
-    path = run / "log.jsonl"
-    if not path.is_file():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue          # a line cut by a killed process: the rest of the log still counts
-        if isinstance(rec, dict):
-            recs.append(rec)
-    return recs
-
-
 def snapshot_doc(run: Path, snap_meta: dict) -> dict:
     """The run's state.json as it stood at a snapshot's kimg, rebuilt from the run's log.jsonl.
 
@@ -102,9 +87,11 @@ def snapshot_doc(run: Path, snap_meta: dict) -> dict:
     so the card is right whether state.json was saved before the snapshot (a run whose last
     checkpoint was lost) or after it. kimg, step and train time come from the snapshot itself; ADA's
     p from the last train record before it; the monitor history is cut at it."""
+    from training.runs import LOG_FILE, LogTail
+
     doc = ckpt.read_state(run)
     kimg = float(snap_meta.get("kimg", doc.get("kimg", 0.0)))
-    recs = _log_records(run)
+    recs = LogTail(run / LOG_FILE).read()          # torn lines of a killed writer are skipped
     cfg = dict(doc["config"])
     retunes = [r for r in recs if r.get("kind") == "retune" and isinstance(r.get("changed"), dict)]
     # a retune at kimg K changes the training after K: a snapshot written at K was trained before it
@@ -130,7 +117,7 @@ def snapshot_doc(run: Path, snap_meta: dict) -> dict:
     return out
 
 
-def _load_snapshot(run: Path, snapshot: str | Path) -> tuple[torch.nn.Module, dict, Path]:
+def _load_snapshot(run: Path, snapshot: str | Path) -> tuple[torch.nn.Module, dict]:
     from models.stylegan import load_generator
 
     path = find_snapshot(run, snapshot)
@@ -143,7 +130,7 @@ def _load_snapshot(run: Path, snapshot: str | Path) -> tuple[torch.nn.Module, di
         raise InputError(f"{path.name} is not a snapshot of the run in {run}: its network differs from the run's "
                          f"config ({', '.join(diff) or 'architecture or resolution'}); pass the run folder it "
                          "came from")
-    return loaded.G.eval().requires_grad_(False), doc, path
+    return loaded.G.eval().requires_grad_(False), doc
 
 
 def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | Path | None = None,
@@ -159,7 +146,7 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
 
     run = Path(run)
     if snapshot is not None:
-        G, doc, _ = _load_snapshot(run, snapshot)
+        G, doc = _load_snapshot(run, snapshot)
     else:
         G, doc = _load_g_ema(run)
     cfg = TrainConfig.from_dict(doc["config"])
