@@ -140,6 +140,8 @@ def h200_skip_reason(wl: Workload, flags: OptimizationFlags | None) -> str | Non
         return "FP8 applies to diffusion UNets only"
     if flags.fuse_qkv and wl.kind == "stylegan":
         return "fused QKV applies to diffusion attention only (StyleGAN has none)"
+    if flags.request_graph and wl.kind == "stylegan":
+        return "the request graph applies to diffusion requests only"
     if flags.prune_amount and flags.prune_method == "structured" and wl.kind == "diffusion":
         return H200_MISSING["torch_pruning"]
     return None

@@ -205,7 +205,10 @@ class StageClock:
     any of its modules to the last exit. On a GPU each mark is a CUDA event recorded on the current
     stream, with no synchronize: the end-to-end time of the same call is not changed by the clock (the
     events are read after the call's own final synchronize). The hooks sit on the objects the pipeline
-    calls (a torch.compile wrapper included), so they run outside compiled code and CUDA graphs."""
+    calls (a torch.compile wrapper included), so they run outside compiled code and CUDA graphs.
+    While a stream is recording a CUDA graph (the studio's request graph, pipelines/request_graph.py) the
+    hooks mark nothing: a timing event cannot be recorded into a graph, and a replay runs no hooks, so such a
+    request has no per-stage times, only its end-to-end time."""
 
     def __init__(self, stages: dict[str, list[torch.nn.Module]], device: torch.device):
         self.device = device
@@ -228,14 +231,19 @@ class StageClock:
             return e
         return time.perf_counter()
 
+    def _recording(self) -> bool:
+        return self.cuda and torch.cuda.is_current_stream_capturing()
+
     def _pre(self, name):
         def hook(module, args):
-            if name not in self._start:
+            if name not in self._start and not self._recording():
                 self._start[name] = self._mark()
         return hook
 
     def _post(self, name):
         def hook(module, args, output):
+            if self._recording():
+                return
             self._end[name] = self._mark()
             self.calls[name] = self.calls.get(name, 0) + 1
         return hook

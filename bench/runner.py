@@ -267,6 +267,11 @@ def unavailable_here(flags: OptimizationFlags, wl: Workload, device: torch.devic
     if flags.fuse_qkv and wl.kind == "stylegan":
         from optim.fused_qkv import STYLEGAN_REASON
         reasons.append(f"fuse_qkv: {STYLEGAN_REASON}")
+    if flags.request_graph:
+        from optim import request_graph as opt_rg
+        r = opt_rg.STYLEGAN_REASON if wl.kind == "stylegan" else opt_rg.unavailable_reason(device)
+        if r:
+            reasons.append(f"request_graph: {r}")
     if flags.compile != "off":
         r = opt_compile.unavailable_reason(device)
         if r:

@@ -23,7 +23,7 @@ Cut a long run into commands that each fit a time limit: one workload (or a few 
 per command, --max-minutes as a guard, and merge the pieces with `bench report`. --dry-run prints
 the plan with each case's estimated seconds on the H200 and runs nothing.
 Configurations: baseline fp32 tf32 fp16 bf16 bf16-cl compile compile-cg fp8 prune-25 prune-50
-tensorrt best best-fp8 best-fqkv, or your own as NAME@precision=bf16+compile=default+fp8=1.
+tensorrt best best-fp8 best-fqkv best-graph, or your own as NAME@precision=bf16+compile=default+fp8=1.
 """
 
 

@@ -38,6 +38,7 @@ class OptimizationFlags:
     kernels: str = "auto"              # StyleGAN op implementations: auto | reference | knob:choice/... (models.kernels)
     strict: bool = False               # a requested toggle that cannot run is an error, not a skip
     fuse_qkv: bool = False             # diffusion: one Q/K/V (cross-attention: K/V) projection per attention layer
+    request_graph: bool = False        # diffusion on CUDA: one CUDA graph per request (pipelines/request_graph.py)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -64,7 +65,8 @@ class OptimizationFlags:
         on = {"precision": self.precision != "fp32", "channels_last": self.channels_last,
               "attention": self.attention != "sdpa", "compile": self.compile != "off", "fp8": self.fp8,
               "prune": self.prune_amount > 0, "tensorrt": self.tensorrt, "memory": bool(self.memory),
-              "kernels": self.kernels != "auto", "fuse_qkv": self.fuse_qkv}
+              "kernels": self.kernels != "auto", "fuse_qkv": self.fuse_qkv,
+              "request_graph": self.request_graph}
         return {name for name, v in on.items() if v}
 
     @classmethod

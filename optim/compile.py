@@ -442,8 +442,10 @@ def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component
 
 
 def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str = "inductor",
-          exclude: dict[str, str] | None = None) -> ToggleReport:
-    """`exclude`: component -> reason it is served by something else (a TensorRT engine)."""
+          exclude: dict[str, str] | None = None, request_graph: bool = False) -> ToggleReport:
+    """`exclude`: component -> reason it is served by something else (a TensorRT engine).
+    `request_graph`: the pipeline records whole requests as CUDA graphs (optim/request_graph.py), so the
+    modules are compiled without CUDA graphs of their own (a graph cannot be recorded inside another)."""
     mode = flags.compile
     reason = unavailable_reason(ctx.device) if backend == "inductor" else None
     if reason:
@@ -463,6 +465,11 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str =
         details["kernel_cache_dir"] = str(process_compile_dir())
     if effective != mode:
         details["note"] = "CUDA graphs (reduce-overhead) need a CUDA GPU; compiled in default mode"
+    if request_graph and effective == "reduce-overhead":
+        effective = "default"
+        details["mode"] = effective
+        details["note"] = ("compiled without per-module CUDA graphs: the request graph records the compiled kernels "
+                           "of a whole request instead")
     rep = applied("", **details)
     if target.kind == "stylegan":
         G = target.root
@@ -486,6 +493,8 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str =
             rep["reason"] = rep["reason"].replace("UNet compiled", "UNet, " + ", ".join(others) + " compiled")
     if effective == "reduce-overhead":
         rep["reason"] += "; CUDA graphs replay each step with one launch"
+    elif request_graph:
+        rep["reason"] += "; the request graph replays them with one launch per request"
     return rep
 
 

@@ -10,7 +10,8 @@ Order, and why:
                 which must see the fused layers
  5. fp8         quantizes the final-dtype linear layers
  6. tensorrt    exports what the steps above produced
- 7. compile     last: it traces everything above (and skips what TensorRT serves)
+ 7. compile     last: it traces everything above (and skips what TensorRT serves); under a request graph
+                (6b, pipelines/request_graph.py) its modules get no CUDA graphs of their own
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from optim import fused_qkv as _fused_qkv
 from optim import memory as _memory
 from optim import precision as _precision
 from optim import prune as _prune
+from optim import request_graph as _request_graph
 from optim import tensorrt as _tensorrt
 from optim.report import ToggleReport, ordered, skipped
 from optim.targets import Context, resolve
@@ -53,6 +55,8 @@ def requested_toggles(flags: OptimizationFlags) -> list[str]:
         names.append("fuse_qkv")
     if flags.compile != "off":
         names.append("compile")
+    if flags.request_graph:
+        names.append("request_graph")
     if flags.fp8:
         names.append("fp8")
     if flags.prune_amount > 0:
@@ -113,8 +117,11 @@ def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, k
         if report["tensorrt"]["applied"]:
             comp = "generator" if target.kind == "stylegan" else "unet"
             exclude[comp] = "the TensorRT engine runs this part; torch.compile is not stacked on it"
+    if flags.request_graph:     # before compile: it decides whether the modules get their own CUDA graphs
+        report["request_graph"] = _request_graph.apply(target, flags, ctx)
     if flags.compile != "off":
-        report["compile"] = _compile.apply(target, flags, ctx, exclude=exclude)
+        report["compile"] = _compile.apply(target, flags, ctx, exclude=exclude,
+                                           request_graph=bool(report.get("request_graph", {}).get("applied")))
     report = ordered(report)
     _enforce_strict(flags, report)
     return target.root, report
@@ -154,6 +161,8 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
                                     "(diffusion; cross-attention K/V and time embeddings stay bf16)")
     out["fuse_qkv"] = (True, "one Q/K/V (cross-attention: K/V) projection per UNet / VAE attention layer "
                              "(diffusion, SDPA attention)")
+    rr = _request_graph.unavailable_reason(dev)
+    out["request_graph"] = (rr is None, rr or "one CUDA graph per diffusion request (text encoder, all steps, VAE)")
     out["prune"] = (True, "l1-unstructured; structured (StyleGAN channels"
                     + (", UNet ResNet blocks via torch-pruning)" if has_package("torch_pruning")
                        else "; UNet needs torch-pruning)"))

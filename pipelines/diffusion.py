@@ -39,8 +39,9 @@ from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, Out
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationResult, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
 from pipelines import overlap, switches
+from pipelines import request_graph as rgraph
 from pipelines.base import module_bytes
-from pipelines.diffusion_noise import fp32_noise
+from pipelines.diffusion_noise import _diffusers_randn, fp32_noise
 
 ARCHS = dcat.ARCHS
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -718,6 +719,14 @@ class DiffusionPipeline:
         # generations on one pipeline are serialised by the GPU lock, so reuse is safe.
         self._views: dict[tuple[str, str], Any] = {}
         self._token_counts: dict[str, int] = {}
+        # One CUDA graph per request shape (pipelines/request_graph.py): "capture" on a GPU when the flag asks for it;
+        # "eager" runs the same static-buffer function without recording (the CPU tests use it); None: off.
+        self._graphs = rgraph.RequestGraphs()
+        self._request_graph_mode: str | None = None
+        if flags.request_graph:
+            rep = self.optimizations.get("request_graph", {})
+            if rep.get("applied"):
+                self._request_graph_mode = "capture"
         if self.device.type == "cuda":           # the UNet takes CPU timesteps without a sync (pipelines/overlap.py)
             overlap.install_timestep_hook(self.pipe.unet)
 
@@ -985,6 +994,10 @@ class DiffusionPipeline:
         view = self._view(chk.task, chk.scheduler)
         device = view._execution_device
         seeds, generator = self._generators(p.seed, p.batch_size)
+        if self._request_graph_mode is not None:
+            done = self._generate_recorded(request, job, chk, view, seeds, generator, t0)
+            if done is not None:
+                return done
         do_cfg = float(p.guidance) > 1.0 and self.pipe.unet.config.get("time_cond_proj_dim") is None
 
         # 2. encode the prompt (once; diffusers repeats the embeddings for the batch)
@@ -1065,6 +1078,86 @@ class DiffusionPipeline:
                                 dtype=str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
                                 optimizations=self.optimizations, notes=notes, metadata=meta, cancelled=partial)
 
+    # -- the recorded path: one CUDA graph per request shape (pipelines/request_graph.py) ---------------------
+    def request_graph_reason(self, p: DiffusionParams, chk: CheckedInputs, view) -> str | None:
+        """Why this request runs the normal path instead of the recorded one, or None."""
+        if self.family != "sd":
+            return "the recorded request covers the SD 1.x/2.x family (SDXL runs per-module CUDA graphs)"
+        if chk.task != "txt2img":
+            return "image-to-image runs the normal path"
+        if int(p.preview_every or 0) > 0:
+            return "live previews need the step loop on the host"
+        if getattr(view, "safety_checker", None) is not None:
+            return "the model's safety checker runs on the host"
+        if self.pipe.unet.config.get("time_cond_proj_dim") is not None:
+            return "guidance-embedding (LCM-style) UNets run the normal path"
+        if getattr(self.pipe.text_encoder.config, "use_attention_mask", False):
+            return "text encoders that take an attention mask run the normal path"
+        if set(self.flags.memory) & {"cpu-offload", "vae-tiling", "attention-slicing"}:
+            return "memory savers (offload, tiling, slicing) run the normal path"
+        if self.flags.tensorrt:
+            return "TensorRT engines run the normal path"
+        return rgraph.scheduler_reason(view.scheduler)
+
+    def _generate_recorded(self, request, job: Job, chk: CheckedInputs, view, seeds, generator, t0):
+        """The request through its recorded graph; None when it must take the normal path (the reason is
+        reported under optimizations['request_graph'])."""
+        p: DiffusionParams = request.params
+        rep = self.optimizations.setdefault("request_graph", {})
+        why = self.request_graph_reason(p, chk, view)
+        if why is not None:
+            rep["last_fallback"] = why
+            return None
+        cfg = float(p.guidance) > 1.0
+        key = rgraph.GraphKey(int(p.batch_size), int(p.height), int(p.width), int(p.steps), chk.scheduler, cfg)
+        if key in self._graphs.failed:
+            rep["last_fallback"] = self._graphs.failed[key]
+            return None
+        ids_pos = self._graphs.ids(view.tokenizer, p.prompt)
+        ids_neg = self._graphs.ids(view.tokenizer, p.negative_prompt or "") if cfg else None
+
+        def build() -> rgraph.RecordedRequest:
+            sched = make_scheduler(chk.scheduler, self._base_scheduler_config)
+            job.status("recording the request graph (first run for this size)")
+            rec = rgraph.RecordedRequest(key, view, sched, self.device, lambda v, lat: self._vae_decode(v, lat, None),
+                                         self._runtime, capture=self._request_graph_mode == "capture")
+            rec.load(ids_pos, ids_neg, noise, float(p.guidance))
+            return rec
+
+        shape = (int(p.batch_size), int(view.unet.config.in_channels), int(p.height) // int(view.vae_scale_factor),
+                 int(p.width) // int(view.vae_scale_factor))
+        noise = _diffusers_randn()(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
+        job.check_cancelled()
+        with job.stage("request_graph"):
+            try:
+                rec, new = self._graphs.get(key, build)
+            except (AtelierError, Cancelled):
+                raise
+            except Exception as exc:                 # recording failed: this shape runs the normal path from now on
+                reason = f"recording failed ({type(exc).__name__}: {' '.join(str(exc).split())[:240]}); normal path"
+                self._graphs.failed[key] = reason
+                rep["failures"] = dict(rep.get("failures", {}), **{_graph_key_str(key): reason})
+                rep["last_fallback"] = reason
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                return None
+            if new:
+                rep.setdefault("recorded", []).append(_graph_key_str(key))
+            rec.load(ids_pos, ids_neg, noise, float(p.guidance))
+            u8, raw, finite = rec.run()
+        if not finite:          # the normal path has the NaN guard's fp32 retries and its messages
+            rep["last_fallback"] = "non-finite image from the recorded request; ran the normal path"
+            return None
+        rep.pop("last_fallback", None)
+        job.step(int(p.steps), int(p.steps), None)
+        images = [Image.fromarray(u8[i], "RGB") for i in range(u8.shape[0])]
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        peak = peak_memory_bytes(self.device)
+        meta = self._metadata(request, chk, seeds, raw, latency_ms, peak, None)
+        return GenerationResult(images=images, raw=raw, timings_ms=dict(job.timings_ms), peak_memory_bytes=peak,
+                                device=str(self.device), dtype=str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
+                                optimizations=self.optimizations, notes=list(chk.notes), metadata=meta)
+
     def _metadata(self, request, chk: CheckedInputs, seeds, raw, latency_ms, peak, nsfw) -> list[dict]:
         p: DiffusionParams = request.params
         common = {
@@ -1095,6 +1188,10 @@ class DiffusionPipeline:
                                 timings_ms=dict(job.timings_ms), peak_memory_bytes=peak_memory_bytes(self.device),
                                 device=str(self.device), dtype=str(_param_dtype(self.pipe.unet)).replace("torch.", ""),
                                 optimizations=self.optimizations, notes=chk.notes + [note], metadata=[], cancelled=True)
+
+
+def _graph_key_str(key) -> str:
+    return f"{key.batch}x{key.height}x{key.width}, {key.steps} steps, {key.scheduler}" + (", CFG" if key.cfg else "")
 
 
 # ==================================================================================================

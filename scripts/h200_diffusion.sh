@@ -7,6 +7,7 @@
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
+#   rgtests the request-graph GPU tests alone (log under $OUT/rg-tests.log)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
 source "$(dirname "$0")/h200_env.sh"
 flags_of_best() {   # precision=fp16+channels_last=1+... of a workload's best
@@ -38,8 +39,10 @@ for part in "$@"; do
          done ;;
     tests) timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
              tests/test_diffusion_overlap.py tests/test_optim_precision.py tests/test_optim_fp8.py \
-             tests/test_optim_compile.py tests/test_diffusion.py tests/test_bench_gpu.py -k "not stylegan" \
-             2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
+             tests/test_optim_compile.py tests/test_diffusion.py tests/test_bench_gpu.py tests/test_request_graph.py \
+             -k "not stylegan" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
+    rgtests) timeout ${RGTESTS_TIMEOUT:-200} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
+               2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
     *) echo "unknown part $part" ;;
   esac
 done

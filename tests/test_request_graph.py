@@ -1,0 +1,160 @@
+"""pipelines/request_graph.py: one CUDA graph per diffusion request.
+
+On the CPU the recorded path's function runs without recording ("eager" mode), through the same static buffers,
+so these tests check what the graph will replay: op for op the image diffusers' own call gives for the seed
+(several schedulers, with and without CFG, batch 2, a new prompt and seed in the same buffers), the requests it
+declines and why, and the toggle's report. On a GPU (gpu marker) the recorded graph is checked against the
+normal path, and replays with new prompts, seeds and guidance against fresh normal-path images.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.types import DiffusionParams, GenerationRequest, Job, OptimizationFlags
+from pipelines import request_graph as rgraph
+from pipelines.diffusion import DiffusionPipeline, load_diffusion, make_scheduler
+
+CPU = torch.device("cpu")
+
+
+def _gen(sd, **kw):
+    p = DiffusionParams(**{**dict(prompt="a red fox", seed=11, steps=3, guidance=5.0, width=64, height=64), **kw})
+    return sd.generate(GenerationRequest("diffusion", sd.model_id, p), Job())
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_sd_sdxl):
+    """The tiny SD pipeline twice on the CPU: the normal path, and the recorded path's function (eager)."""
+    loaded = load_diffusion(str(tiny_sd_sdxl["sd"]))
+    normal = DiffusionPipeline(loaded, OptimizationFlags(), CPU)
+    recorded = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sd"])), OptimizationFlags(), CPU)
+    recorded._request_graph_mode = "eager"
+    return normal, recorded
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scheduler="euler", steps=1, guidance=0.0),                 # SD-Turbo's request: 1 step, no CFG
+    dict(scheduler="euler", steps=4, guidance=5.0),
+    dict(scheduler="dpm++2m-karras", steps=5, guidance=7.5, negative_prompt="blurry"),
+    dict(scheduler="pndm", steps=4, guidance=7.5),                  # PLMS: one more UNet call than steps
+    dict(scheduler="heun", steps=3, guidance=4.0),                  # two UNet calls a step
+    dict(scheduler="ddim", steps=3, guidance=0.0, batch_size=2, seed=5),
+])
+def test_recorded_function_gives_the_normal_image(pair, kw):
+    normal, recorded = pair
+    want = _gen(normal, **kw)
+    got = _gen(recorded, **kw)
+    assert got.optimizations["request_graph"].get("last_fallback") is None, got.optimizations["request_graph"]
+    assert got.raw.shape == want.raw.shape == (kw.get("batch_size", 1), 3, 64, 64)
+    # one model, one process, the same ops: equal to float rounding (the CFG combine order is diffusers')
+    np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=2e-5)
+    u8 = np.stack([np.asarray(im) for im in got.images]).transpose(0, 3, 1, 2)
+    assert np.array_equal(u8, (got.raw * 255).round().astype(np.uint8))
+    assert [m["seed"] for m in got.metadata] == [m["seed"] for m in want.metadata]
+
+
+def test_same_shape_reuses_the_buffers_with_new_inputs(pair):
+    """A second request of the same shape (another prompt, seed and guidance) runs through the same recorded
+    request and gives its own image, not the first one's."""
+    normal, recorded = pair
+    kw = dict(scheduler="euler", steps=2, width=64, height=64)
+    _gen(recorded, prompt="a red fox", seed=1, guidance=3.0, **kw)
+    key = rgraph.GraphKey(1, 64, 64, 2, "euler", True)
+    rec = recorded._graphs.graphs[key]
+    n0 = rec.replays
+    got = _gen(recorded, prompt="a blue house", seed=2, guidance=6.0, **kw)
+    want = _gen(normal, prompt="a blue house", seed=2, guidance=6.0, **kw)
+    assert recorded._graphs.graphs[key] is rec and rec.replays == n0 + 1
+    np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=2e-5)
+    first = _gen(normal, prompt="a red fox", seed=1, guidance=3.0, **kw)
+    assert not np.allclose(got.raw, first.raw, atol=1e-3)
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(scheduler="euler-a"), "fresh noise"),
+    (dict(scheduler="dpm++2m-sde-karras"), "fresh noise"),
+    (dict(preview_every=1), "previews"),
+])
+def test_declined_requests_run_the_normal_path_and_say_why(pair, kw, why):
+    normal, recorded = pair
+    got = _gen(recorded, **kw)
+    want = _gen(normal, **kw)
+    assert why in got.optimizations["request_graph"]["last_fallback"]
+    np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=1e-6)
+
+
+def test_img2img_and_sdxl_are_declined(tiny_sd_sdxl, tmp_path):
+    from PIL import Image
+
+    sdxl = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sdxl"])), OptimizationFlags(), CPU)
+    sdxl._request_graph_mode = "eager"
+    res = _gen(sdxl, steps=2)
+    assert "SDXL" in res.optimizations["request_graph"]["last_fallback"] and res.images
+    sd = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sd"])), OptimizationFlags(), CPU)
+    sd._request_graph_mode = "eager"
+    init = tmp_path / "init.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(init)
+    res = _gen(sd, steps=2, init_image=str(init), strength=0.5)
+    assert "image-to-image" in res.optimizations["request_graph"]["last_fallback"] and res.images
+
+
+def test_scheduler_reason_names_the_noisy_ones():
+    base = {"_class_name": "EulerDiscreteScheduler", "num_train_timesteps": 1000}
+    for name in ("euler", "ddim", "dpm++2m", "dpm++2m-karras", "unipc", "heun", "lms", "pndm"):
+        assert rgraph.scheduler_reason(make_scheduler(name, base)) is None, name
+    for name in ("euler-a", "dpm++2m-sde-karras", "lcm"):
+        assert "noise" in rgraph.scheduler_reason(make_scheduler(name, base)), name
+
+
+def test_toggle_on_the_cpu_is_skipped_with_a_reason_and_changes_nothing(tiny_sd_sdxl):
+    sd = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sd"])), OptimizationFlags(request_graph=True), CPU)
+    rep = sd.optimizations["request_graph"]
+    assert rep["applied"] is False and "CUDA" in rep["reason"]
+    assert sd._request_graph_mode is None
+    assert _gen(sd, steps=1).images
+
+
+def test_flag_round_trips_through_cli_api_and_bench():
+    import argparse
+
+    from bench.specs import get_workload, resolve_configs
+    from cli.options import add_optimization_args, flags_from_args
+    from ui.a1111_api import FLAG_TYPES
+
+    ap = argparse.ArgumentParser()
+    add_optimization_args(ap)
+    assert flags_from_args(ap.parse_args(["--request-graph"])).request_graph is True
+    assert flags_from_args(ap.parse_args([])).request_graph is False
+    assert FLAG_TYPES["request_graph"] is bool
+    assert OptimizationFlags.from_dict({"request_graph": True}).requested() == {"request_graph"}
+    (cfg,) = resolve_configs(get_workload("sd-turbo-512"), ["best-graph"])
+    assert cfg.flags.request_graph and cfg.flags.compile == "reduce-overhead" and "request graph" in cfg.description
+    (own,) = resolve_configs(get_workload("sd-tiny"), ["g@precision=bf16+request_graph=1"])
+    assert own.flags.request_graph and own.flags.precision == "bf16"
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, compile_mode", [("fp16", "reduce-overhead")])
+def test_gpu_recorded_request_matches_the_normal_path(tiny_sd_sdxl, precision, compile_mode):
+    """The recorded graph replays what the normal path computes: same seed, same picture (half precision,
+    compiled or not), and a replay with another prompt, seed and guidance gives that request's picture."""
+    cuda = torch.device("cuda")
+    folder = str(tiny_sd_sdxl["sd"])
+    flags = OptimizationFlags(precision=precision, compile=compile_mode)
+    normal = DiffusionPipeline(load_diffusion(folder, device=cuda), flags, cuda)
+    graphed = DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(
+        precision=precision, compile=compile_mode, request_graph=True), cuda)
+    assert graphed._request_graph_mode == "capture", graphed.optimizations["request_graph"]
+    for kw in (dict(steps=1, guidance=0.0), dict(steps=4, guidance=5.0, scheduler="dpm++2m")):
+        for prompt, seed in (("a red fox", 3), ("a blue house", 4)):
+            got = _gen(graphed, prompt=prompt, seed=seed, **kw)
+            rep = got.optimizations["request_graph"]
+            assert rep.get("last_fallback") is None and not rep.get("failures"), rep
+            want = _gen(normal, prompt=prompt, seed=seed, **kw)
+            err = float(np.abs(got.raw - want.raw).max())
+            assert err < 2e-2, (kw, prompt, err)
+    assert len(graphed._graphs.graphs) == 2 and all(r.graph is not None for r in graphed._graphs.graphs.values())
