@@ -24,9 +24,9 @@ for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
     turbo) timeout ${TURBO_TIMEOUT:-420} $BENCH --workload sd-turbo-512 \
-             --configs "${TURBO_CONFIGS:-fp32,baseline,best}" --out "$OUT/turbo" ;;
+             --configs "${TURBO_CONFIGS:-fp32,baseline,best}" --profile "${TURBO_PROFILE:-best}" --out "$OUT/turbo" ;;
     sd15) timeout ${SD15_TIMEOUT:-540} $BENCH --workload sd15-512 \
-            --configs "${SD15_CONFIGS:-fp32,baseline,best}" --out "$OUT/sd15" ;;
+            --configs "${SD15_CONFIGS:-fp32,baseline,best}" --profile "${SD15_PROFILE:-best}" --out "$OUT/sd15" ;;
     warm-*) w=${part#warm-}   # best again in a new process, on the compile cache the run before filled
             share_ref $w "$OUT/warm-$w"
             timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs best --profile none --out "$OUT/warm-$w" ;;
