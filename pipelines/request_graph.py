@@ -148,10 +148,16 @@ class RecordedRequest:
         self.raw_host.copy_(pt, non_blocking=nb)
 
     def record(self) -> None:
-        """Warm up (compiles what is compiled, autotunes) on a side stream, then record the graph."""
+        """Warm up (compiles what is compiled, autotunes) on a side stream, then record the graph.
+
+        cuDNN benchmarks its convolution algorithms during the warm-up (cudnn.benchmark, for this block only):
+        the graph then replays the fastest one it found for each of the VAE's and UNet's convolution shapes,
+        where the heuristic pick served the normal path."""
         if not self.capture:
             return
-        with torch.no_grad(), self.runtime():
+        from pipelines import switches
+
+        with torch.no_grad(), self.runtime(), switches.scoped(cudnn_benchmark=True):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -167,7 +173,9 @@ class RecordedRequest:
         self.graph = graph
 
     def run(self) -> tuple[Any, Any, bool]:
-        """Run the loaded request; returns (uint8 [N, H, W, 3], float32 [N, 3, H, W] in [0, 1], all finite)."""
+        """Run the loaded request; returns (uint8 [N, H, W, 3], float32 [N, 3, H, W] in [0, 1], all finite).
+        The uint8 array is a view of the pinned output buffer, valid until the next run (make the PIL images
+        from it at once: PIL copies); the float array is the caller's own."""
         if self.graph is not None:
             self.graph.replay()
             torch.cuda.current_stream(self.device).synchronize()
@@ -177,7 +185,7 @@ class RecordedRequest:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.replays += 1
-        return self.u8_host.numpy().copy(), self.raw_host.numpy().copy(), bool(self.finite_host)
+        return self.u8_host.numpy(), self.raw_host.numpy().copy(), bool(self.finite_host)
 
 
 class RequestGraphs:
@@ -211,6 +219,9 @@ class RequestGraphs:
         got.record()
         self.graphs[key] = got
         return got, True
+
+    def has_size(self, batch: int, height: int, width: int) -> bool:
+        return any((k.batch, k.height, k.width) == (batch, height, width) for k in self.graphs)
 
     def clear(self) -> None:
         self.graphs.clear()
