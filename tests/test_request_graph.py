@@ -158,3 +158,14 @@ def test_gpu_recorded_request_matches_the_normal_path(tiny_sd_sdxl, precision, c
             err = float(np.abs(got.raw - want.raw).max())
             assert err < 2e-2, (kw, prompt, err)
     assert len(graphed._graphs.graphs) == 2 and all(r.graph is not None for r in graphed._graphs.graphs.values())
+
+
+def test_studio_controls_carry_the_toggle_and_a_png_restores_it():
+    """The Generate form's two diffusion toggles reach the request's flags, and a PNG's flags bring them back."""
+    from ui.controls import controls_from_params, job_spec
+
+    spec = job_spec({"backend": "diffusion", "prompt": "a fox", "fuse_qkv": True, "request_graph": True})
+    assert spec.request.flags.request_graph and spec.request.flags.fuse_qkv
+    assert not job_spec({"backend": "diffusion", "prompt": "a fox"}).request.flags.request_graph
+    restored = controls_from_params({"backend": "diffusion", "prompt": "a fox", "flags": spec.request.flags.to_dict()})
+    assert restored["request_graph"] is True and restored["fuse_qkv"] is True

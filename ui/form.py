@@ -54,6 +54,8 @@ class StudioForm:
     prune_method: str | None = None
     tensorrt: bool | None = None
     memory_savers: list[str] | None = None
+    fuse_qkv: bool | None = None               # diffusion: fused Q/K/V projections
+    request_graph: bool | None = None          # diffusion on a GPU: one CUDA graph per request
 
     def given(self) -> dict[str, Any]:
         """The controls that carry a value, by name (what `job_spec` reads; the rest take its defaults)."""

@@ -396,7 +396,9 @@ def _toggle_controls(C: dict, avail: dict[str, tuple[bool, str]]) -> None:
     C["attention"] = gr.Radio(["sdpa", "xformers", "math"], value="sdpa", label="Attention", visible=vis,
                               interactive=ok, info=why, elem_id="opt-attention")
     for name, label, elem_id in (("channels_last", "channels_last memory format", "opt-channels-last"),
-                                 ("fp8", "FP8 linear layers", "opt-fp8"), ("tensorrt", "TensorRT engine", "opt-tensorrt")):
+                                 ("fp8", "FP8 linear layers", "opt-fp8"), ("tensorrt", "TensorRT engine", "opt-tensorrt"),
+                                 ("fuse_qkv", "Fused QKV projections (diffusion)", "opt-fuse-qkv"),
+                                 ("request_graph", "One CUDA graph per request (diffusion)", "opt-request-graph")):
         vis, ok, why = state(name)
         C[name] = gr.Checkbox(False, label=label, visible=vis, interactive=ok, info=why, elem_id=elem_id)
     vis, ok, why = state("prune")
