@@ -1102,6 +1102,20 @@ class DiffusionPipeline:
             return "TensorRT engines run the normal path"
         return rgraph.scheduler_reason(view.scheduler)
 
+    def _aot_parts(self, rep: dict):
+        """The ahead-of-time compiled parts (ATELIER_REQUEST_GRAPH_AOT=1, pipelines/aot_parts.py), or None."""
+        from pipelines import aot_parts
+
+        if not aot_parts.enabled():
+            return None
+        if getattr(self, "_aot", None) is None:
+            from optim.registry import default_cache_dir
+
+            flags = json.dumps({k: v for k, v in self.flags.to_dict().items() if k != "strict"}, sort_keys=True)
+            self._aot = aot_parts.AotParts(Path(self.cache_dir) if self.cache_dir else default_cache_dir(),
+                                           self.loaded.hash or self.model_id, flags, rep)
+        return self._aot
+
     def _generate_recorded(self, request, job: Job, chk: CheckedInputs, view, seeds, generator, t0):
         """The request through its recorded graph; None when it must take the normal path (the reason is
         reported under optimizations['request_graph'])."""
@@ -1123,7 +1137,8 @@ class DiffusionPipeline:
             sched = make_scheduler(chk.scheduler, self._base_scheduler_config)
             job.status("recording the request graph (first run for this size)")
             rec = rgraph.RecordedRequest(key, view, sched, self.device, lambda v, lat: self._vae_decode(v, lat, None),
-                                         self._runtime, capture=self._request_graph_mode == "capture")
+                                         self._runtime, capture=self._request_graph_mode == "capture",
+                                         aot=self._aot_parts(rep))
             rec.load(ids_pos, ids_neg, noise, float(p.guidance))
             return rec
 

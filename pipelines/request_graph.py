@@ -71,7 +71,7 @@ class RecordedRequest:
 
     def __init__(self, key: GraphKey, view: Any, scheduler: Any, device: torch.device,
                  vae_decode: Callable[[Any, torch.Tensor], torch.Tensor], runtime: Callable[[], Any],
-                 capture: bool):
+                 capture: bool, aot: Any = None):
         self.key = key
         self.view = view
         self.scheduler = scheduler
@@ -99,6 +99,7 @@ class RecordedRequest:
         self._t_dev = [t.to(device) for t in self._t_host]       # before recording: no host reads inside the graph
         params = inspect.signature(self.scheduler.step).parameters
         self._step_kwargs = {"eta": 0.0} if "eta" in params else {}
+        self.aot = aot                    # pipelines.aot_parts.AotParts: the parts ahead-of-time compiled, or None
         self.graph: Any = None
         self.replays = 0
 
@@ -118,7 +119,9 @@ class RecordedRequest:
     # -- the request, op for op as diffusers' text-to-image call ------------------------------------------
     def _embed(self, row: int) -> torch.Tensor:
         te = self.view.text_encoder
-        emb = te(self.ids[row:row + 1], attention_mask=None)[0]
+        ids = self.ids[row:row + 1]
+        part = self.aot.text_encoder(te, ids) if self.aot is not None else None
+        emb = part(ids) if part is not None else te(ids, attention_mask=None)[0]
         emb = emb.to(dtype=te.dtype, device=self.device)
         b = self.key.batch
         return emb.repeat(1, b, 1).view(b, emb.shape[1], -1)
@@ -132,13 +135,20 @@ class RecordedRequest:
         for t_host, t_dev in zip(sched.timesteps, self._t_dev):
             x = torch.cat([latents] * 2) if key.cfg else latents
             x = sched.scale_model_input(x, t_host)
-            pred = unet(x, t_dev, encoder_hidden_states=embeds, timestep_cond=None, cross_attention_kwargs=None,
-                        added_cond_kwargs=None, return_dict=False)[0]
+            part = self.aot.unet(unet, x, t_dev, embeds) if self.aot is not None else None
+            if part is not None:
+                pred = part(x, t_dev, embeds)
+            else:
+                pred = unet(x, t_dev, encoder_hidden_states=embeds, timestep_cond=None, cross_attention_kwargs=None,
+                            added_cond_kwargs=None, return_dict=False)[0]
             if key.cfg:
                 uncond, text = pred.chunk(2)
                 pred = uncond + self.guidance * (text - uncond)
             latents = sched.step(pred, t_host, latents, **self._step_kwargs, return_dict=False)[0]
-        image = self.vae_decode(self.view, latents)
+        from pipelines import aot_parts
+
+        with aot_parts.swapped_decoder(self.view.vae, self.aot):
+            image = self.vae_decode(self.view, latents)
         pt = self.view.image_processor.postprocess(image, output_type="pt",
                                                    do_denormalize=[True] * image.shape[0]).detach().float()
         u8 = (pt * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()

@@ -3,7 +3,9 @@
 #   turbo   bench sd-turbo-512 at batch 1: fp32 (drift reference), baseline, best
 #   sd15    bench sd15-512 at batch 1: fp32, baseline, best
 #   warm-W  bench workload W's best again, in a new process on the compile cache the part before filled:
-#           its prepare_s + first_call_s is the time to a first image on a second start
+#           its prepare_s + first_call_s is the time to a first image on a second start (WARM_CONFIGS: others;
+#           with ATELIER_REQUEST_GRAPH_AOT=1 exported for both parts, a request graph's parts are AOTInductor
+#           packages, loaded without tracing on the second start)
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
@@ -29,7 +31,7 @@ for part in "$@"; do
             --configs "${SD15_CONFIGS:-fp32,baseline,best}" --profile "${SD15_PROFILE:-best}" --out "$OUT/sd15" ;;
     warm-*) w=${part#warm-}   # best again in a new process, on the compile cache the run before filled
             share_ref $w "$OUT/warm-$w"
-            timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs best --profile none --out "$OUT/warm-$w" ;;
+            timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" --profile none --out "$OUT/warm-$w" ;;
     sdxl) timeout ${SDXL_TIMEOUT:-560} $BENCH --workload sdxl-1024 --repeats ${SDXL_REPEATS:-3} \
             --configs "${SDXL_CONFIGS:-baseline,best,best-fp8}" --out "$OUT/sdxl" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"

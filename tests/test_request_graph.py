@@ -8,6 +8,8 @@ normal path, and replays with new prompts, seeds and guidance against fresh norm
 """
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +171,53 @@ def test_studio_controls_carry_the_toggle_and_a_png_restores_it():
     assert not job_spec({"backend": "diffusion", "prompt": "a fox"}).request.flags.request_graph
     restored = controls_from_params({"backend": "diffusion", "prompt": "a fox", "flags": spec.request.flags.to_dict()})
     assert restored["request_graph"] is True and restored["fuse_qkv"] is True
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="AOTInductor needs a C++ compiler")
+def test_aot_parts_compile_once_and_a_second_start_loads_them(tiny_sd_sdxl, tmp_path, monkeypatch):
+    """ATELIER_REQUEST_GRAPH_AOT=1: the recorded request's text encoder, UNet and VAE decoder come from
+    AOTInductor packages (compiled on the first start, loaded with the model's own weights on the next), and
+    the image is still the normal path's."""
+    from pipelines import aot_parts
+
+    monkeypatch.setenv(aot_parts.ENV, "1")
+    folder = str(tiny_sd_sdxl["sd"])
+    normal = DiffusionPipeline(load_diffusion(folder), OptimizationFlags(), CPU)
+    want = _gen(normal, steps=1, guidance=0.0)
+    reports = []
+    for start in range(2):
+        sd = DiffusionPipeline(load_diffusion(folder), OptimizationFlags(), CPU, cache_dir=tmp_path)
+        sd._request_graph_mode = "eager"
+        got = _gen(sd, steps=1, guidance=0.0)
+        rep = got.optimizations["request_graph"]
+        assert rep.get("last_fallback") is None, rep
+        np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=1e-4)
+        reports.append(rep["aot"])
+    assert sorted(k.split()[0] for k in reports[0]) == ["text_encoder", "unet", "vae_decoder"], reports[0]
+    assert all("compiled_s" in e and "failed" not in e for e in reports[0].values()), reports[0]
+    assert all(e.get("loaded_from_cache") and "compiled_s" not in e for e in reports[1].values()), reports[1]
+    assert len(list((tmp_path / "aoti").glob("*.pt2"))) == 3
+
+
+@pytest.mark.gpu
+def test_gpu_aot_parts_recorded_and_loaded_on_a_second_start(tiny_sd_sdxl, tmp_path, monkeypatch):
+    """On the GPU the AOT parts are recorded into the request graph; a second pipeline loads them from the
+    cache folder (no export, no compile) and gives the normal path's picture."""
+    from pipelines import aot_parts
+
+    monkeypatch.setenv(aot_parts.ENV, "1")
+    cuda = torch.device("cuda")
+    folder = str(tiny_sd_sdxl["sd"])
+    want = _gen(DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(precision="fp16"), cuda),
+                steps=2, guidance=5.0, scheduler="euler")
+    entries = []
+    for start in range(2):
+        sd = DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(precision="fp16", request_graph=True),
+                               cuda, cache_dir=tmp_path)
+        got = _gen(sd, steps=2, guidance=5.0, scheduler="euler")
+        rep = got.optimizations["request_graph"]
+        assert rep.get("last_fallback") is None and not rep.get("failures"), rep
+        assert float(np.abs(got.raw - want.raw).max()) < 2e-2
+        entries.append(rep["aot"])
+    assert all("compiled_s" in e and "failed" not in e for e in entries[0].values()), entries[0]
+    assert all(e.get("loaded_from_cache") for e in entries[1].values()), entries[1]
