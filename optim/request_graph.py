@@ -21,7 +21,7 @@ STYLEGAN_REASON = ("not applicable: StyleGAN requests are one module call, which
 
 def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
-        return "CUDA graphs need a CUDA GPU; this request runs the normal path"
+        return "CUDA graphs need a CUDA GPU; this machine has none, so requests run the normal path"
     return None
 
 

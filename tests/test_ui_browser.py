@@ -135,6 +135,12 @@ def test_stable_ids_and_backend_switch(page):
         fp8 = page.locator("#opt-fp8 input[type=checkbox]")
         if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
             assert fp8.is_disabled() and "FP8 needs" in page.inner_text("#opt-fp8")
+        import torch
+
+        graph = page.locator("#opt-request-graph input[type=checkbox]")
+        if not torch.cuda.is_available():       # the request graph: disabled with its reason off CUDA
+            assert graph.is_disabled() and "CUDA graphs need a CUDA GPU" in page.inner_text("#opt-request-graph")
+        assert page.locator("#opt-fuse-qkv input[type=checkbox]").is_enabled()
         if os.environ.get("ATELIER_SCREENSHOTS"):
             SHOTS.mkdir(parents=True, exist_ok=True)
             page.locator("#optimization-panel").screenshot(path=str(SHOTS / "studio-optimization.png"))
