@@ -1084,8 +1084,18 @@ class DiffusionPipeline:
     # -- the recorded path: one CUDA graph per request shape (pipelines/request_graph.py) ---------------------
     def request_graph_reason(self, p: DiffusionParams, chk: CheckedInputs, view) -> str | None:
         """Why this request runs the normal path instead of the recorded one, or None."""
-        if self.family != "sd":
-            return "the recorded request covers the SD 1.x/2.x family (SDXL runs per-module CUDA graphs)"
+        if self.family not in ("sd", "sdxl"):
+            return f"the recorded request covers SD 1.x/2.x and SDXL, not {self.family}"
+        if self.family == "sdxl":
+            vae = self.pipe.vae
+            if getattr(self.pipe, "text_encoder", None) is None or getattr(self.pipe, "text_encoder_2", None) is None:
+                return "SDXL models without both text encoders (refiners) run the normal path"
+            if _param_dtype(vae) == torch.float16 and vae.config.get("force_upcast", False):
+                return "SDXL's VAE decodes in fp32 under fp16 weights (a weight cast per request); use bf16"
+            if vae.config.get("latents_mean") is not None:
+                return "VAEs with latent mean/std normalisation run the normal path"
+            if getattr(self.pipe.text_encoder_2.config, "use_attention_mask", False):
+                return "text encoders that take an attention mask run the normal path"
         if chk.task != "txt2img":
             return "image-to-image runs the normal path"
         if int(p.preview_every or 0) > 0:
@@ -1126,19 +1136,24 @@ class DiffusionPipeline:
             rep["last_fallback"] = why
             return None
         cfg = float(p.guidance) > 1.0
-        key = rgraph.GraphKey(int(p.batch_size), int(p.height), int(p.width), int(p.steps), chk.scheduler, cfg)
+        xl = self.family == "sdxl"
+        zero_negative = xl and cfg and not (p.negative_prompt or "") and bool(
+            self.pipe.config.get("force_zeros_for_empty_prompt", True))
+        key = rgraph.GraphKey(int(p.batch_size), int(p.height), int(p.width), int(p.steps), chk.scheduler, cfg,
+                              zero_negative)
         if key in self._graphs.failed:
             rep["last_fallback"] = self._graphs.failed[key]
             return None
-        ids_pos = self._graphs.ids(view.tokenizer, p.prompt)
-        ids_neg = self._graphs.ids(view.tokenizer, p.negative_prompt or "") if cfg else None
+        toks = (view.tokenizer, view.tokenizer_2) if xl else (view.tokenizer,)
+        ids_pos = tuple(self._graphs.ids(t, p.prompt) for t in toks)
+        ids_neg = tuple(self._graphs.ids(t, p.negative_prompt or "") for t in toks) if cfg and not zero_negative else None
 
         def build() -> rgraph.RecordedRequest:
             sched = make_scheduler(chk.scheduler, self._base_scheduler_config)
             job.status("recording the request graph (first run for this size)")
             rec = rgraph.RecordedRequest(key, view, sched, self.device, lambda v, lat: self._vae_decode(v, lat, None),
                                          self._runtime, capture=self._request_graph_mode == "capture",
-                                         aot=self._aot_parts(rep))
+                                         aot=None if xl else self._aot_parts(rep))
             rec.load(ids_pos, ids_neg, noise, float(p.guidance))
             return rec
 

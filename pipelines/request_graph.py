@@ -13,8 +13,10 @@ generators (as `pipelines.diffusion_noise` draws it on the normal path) and scal
 the image processor's denormalisation. So a seed gives the same picture on both paths (tested on the CPU, where
 the same function runs without capture, and on the GPU against the normal path).
 
-What it serves (anything else runs the normal path, and the report says why): the SD 1.x/2.x family
-(SD-Turbo included) text-to-image; deterministic schedulers (their step draws no noise that is used: Euler,
+What it serves (anything else runs the normal path, and the report says why): text-to-image with the SD
+1.x/2.x family (SD-Turbo included) and SDXL (its two text encoders, pooled embedding, size conditioning and
+empty-negative zeros as `StableDiffusionXLPipeline.__call__` makes them; bf16, not fp16 whose VAE decode
+casts weights per request); deterministic schedulers (their step draws no noise that is used: Euler,
 DDIM, DPM++ 2M, UniPC, Heun, LMS, PLMS); no safety checker, no live previews, no LCM-style guidance embedding,
 no attention-masked text encoder, no CPU offload / VAE tiling / TensorRT. Progress jumps from 0 to N steps (a
 50-step SD 1.5 image takes ~0.35 s on the H200), and a cancel is honoured before the replay, not during it.
@@ -61,6 +63,7 @@ class GraphKey:
     steps: int
     scheduler: str
     cfg: bool
+    zero_negative: bool = False     # SDXL: an empty negative prompt is zero embeddings (force_zeros_for_empty_prompt)
 
 
 class RecordedRequest:
@@ -82,12 +85,19 @@ class RecordedRequest:
         unet = view.unet
         scale = int(getattr(view, "vae_scale_factor", 8))
         self.latent_shape = (key.batch, int(unet.config.in_channels), key.height // scale, key.width // scale)
-        n_tok = int(view.tokenizer.model_max_length)
+        self.xl = getattr(view, "text_encoder_2", None) is not None
+        toks = [view.tokenizer] + ([view.tokenizer_2] if self.xl else [])
+        n_tok = max(int(t.model_max_length) for t in toks)
+        rows = 4 if self.xl else 2          # (prompt, negative) per tokenizer
         pin = self.capture
-        self.ids_host = torch.zeros((2, n_tok), dtype=torch.long, pin_memory=pin)
+        self.ids_host = torch.zeros((rows, n_tok), dtype=torch.long, pin_memory=pin)
         self.noise_host = torch.zeros(self.latent_shape, dtype=torch.float32, pin_memory=pin)
         self.guidance_host = torch.zeros((), dtype=torch.float32, pin_memory=pin)
-        self.ids = torch.zeros((2, n_tok), dtype=torch.long, device=device)
+        self.ids = torch.zeros((rows, n_tok), dtype=torch.long, device=device)
+        self._time_ids = None
+        if self.xl:       # SDXL's size conditioning: (original size, crop top-left, target size), as diffusers builds it
+            dtype = view.text_encoder_2.dtype
+            self._time_ids = torch.tensor([[key.height, key.width, 0, 0, key.height, key.width]], dtype=dtype).to(device)
         self.noise = torch.zeros(self.latent_shape, dtype=torch.float32, device=device)
         self.guidance = torch.zeros((), dtype=torch.float32, device=device)
         out_shape = (key.batch, key.height, key.width, 3)
@@ -104,11 +114,16 @@ class RecordedRequest:
         self.replays = 0
 
     # -- inputs ----------------------------------------------------------------------------------------
-    def load(self, ids_pos: torch.Tensor, ids_neg: torch.Tensor | None, noise: torch.Tensor, guidance: float) -> None:
-        """Write one request's inputs into the static buffers (host staging, then one copy each)."""
-        self.ids_host[0].copy_(ids_pos.reshape(-1))
-        if ids_neg is not None:
-            self.ids_host[1].copy_(ids_neg.reshape(-1))
+    def load(self, ids_pos, ids_neg, noise: torch.Tensor, guidance: float) -> None:
+        """Write one request's inputs into the static buffers (host staging, then one copy each). `ids_pos` /
+        `ids_neg`: the token ids, or for SDXL a pair (first tokenizer's, second's); `ids_neg` None without CFG."""
+        pos = ids_pos if isinstance(ids_pos, (tuple, list)) else (ids_pos,)
+        neg = ids_neg if isinstance(ids_neg, (tuple, list)) else (ids_neg,)
+        for i, ids in enumerate(pos):
+            self.ids_host[2 * i].copy_(ids.reshape(-1))
+        for i, ids in enumerate(neg):
+            if ids is not None:
+                self.ids_host[2 * i + 1].copy_(ids.reshape(-1))
         self.noise_host.copy_(noise)
         self.guidance_host.fill_(float(guidance))
         nb = self.capture
@@ -126,28 +141,62 @@ class RecordedRequest:
         b = self.key.batch
         return emb.repeat(1, b, 1).view(b, emb.shape[1], -1)
 
+    def _encode_xl(self, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDXL's encode_prompt for one prompt: both encoders' penultimate hidden states side by side, and the
+        pooled embedding (the first 2-D output, the second encoder's projection)."""
+        embs, pooled = [], None
+        for te, row in ((self.view.text_encoder, rows[0]), (self.view.text_encoder_2, rows[1])):
+            out = te(self.ids[row:row + 1], output_hidden_states=True)
+            if pooled is None and out[0].ndim == 2:
+                pooled = out[0]
+            embs.append(out.hidden_states[-2])
+        return torch.concat(embs, dim=-1), pooled
+
+    def _prompt_xl(self) -> tuple[torch.Tensor, dict]:
+        key, b = self.key, self.key.batch
+        dtype = self.view.text_encoder_2.dtype
+        pe, pooled = self._encode_xl((0, 2))
+
+        def batch(e, p):
+            e = e.to(dtype=dtype, device=self.device)
+            return e.repeat(1, b, 1).view(b, e.shape[1], -1), p.repeat(1, b).view(b, -1)
+
+        pe, pooled = batch(pe, pooled)
+        time_ids = self._time_ids
+        if key.cfg:
+            if key.zero_negative:
+                ne, npooled = torch.zeros_like(pe), torch.zeros_like(pooled)
+            else:
+                ne, npooled = batch(*self._encode_xl((1, 3)))
+            pe, pooled = torch.cat([ne, pe]), torch.cat([npooled, pooled])
+            time_ids = torch.cat([time_ids, time_ids])
+        return pe, {"text_embeds": pooled, "time_ids": time_ids.repeat(b, 1)}
+
     def _forward(self) -> None:
         key, sched, unet = self.key, self.scheduler, self.view.unet
         sched.set_timesteps(key.steps, device="cpu")            # resets the scheduler's per-run state
-        pos = self._embed(0)
-        embeds = torch.cat([self._embed(1), pos]) if key.cfg else pos
-        latents = self.noise.to(pos.dtype) * sched.init_noise_sigma
+        if self.xl:
+            embeds, added = self._prompt_xl()
+        else:
+            pos = self._embed(0)
+            embeds, added = (torch.cat([self._embed(1), pos]) if key.cfg else pos), None
+        latents = self.noise.to(embeds.dtype) * sched.init_noise_sigma
         for t_host, t_dev in zip(sched.timesteps, self._t_dev):
             x = torch.cat([latents] * 2) if key.cfg else latents
             x = sched.scale_model_input(x, t_host)
-            part = self.aot.unet(unet, x, t_dev, embeds) if self.aot is not None else None
+            part = self.aot.unet(unet, x, t_dev, embeds) if (self.aot is not None and not self.xl) else None
             if part is not None:
                 pred = part(x, t_dev, embeds)
             else:
                 pred = unet(x, t_dev, encoder_hidden_states=embeds, timestep_cond=None, cross_attention_kwargs=None,
-                            added_cond_kwargs=None, return_dict=False)[0]
+                            added_cond_kwargs=added, return_dict=False)[0]
             if key.cfg:
                 uncond, text = pred.chunk(2)
                 pred = uncond + self.guidance * (text - uncond)
             latents = sched.step(pred, t_host, latents, **self._step_kwargs, return_dict=False)[0]
         from pipelines import aot_parts
 
-        with aot_parts.swapped_decoder(self.view.vae, self.aot):
+        with aot_parts.swapped_decoder(self.view.vae, None if self.xl else self.aot):
             image = self.vae_decode(self.view, latents)
         pt = self.view.image_processor.postprocess(image, output_type="pt",
                                                    do_denormalize=[True] * image.shape[0]).detach().float()
@@ -204,17 +253,17 @@ class RequestGraphs:
     def __init__(self):
         self.graphs: OrderedDict[GraphKey, RecordedRequest] = OrderedDict()
         self.failed: dict[GraphKey, str] = {}
-        self._ids: dict[str, torch.Tensor] = {}
+        self._ids: dict[tuple[int, str], torch.Tensor] = {}
 
     def ids(self, tokenizer: Any, text: str) -> torch.Tensor:
         """Token ids as diffusers' encode_prompt makes them (padded to the model length, truncated)."""
-        got = self._ids.get(text)
+        got = self._ids.get((id(tokenizer), text))
         if got is None:
             got = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                             return_tensors="pt").input_ids
             if len(self._ids) >= 256:
                 self._ids.clear()
-            self._ids[text] = got
+            self._ids[(id(tokenizer), text)] = got
         return got
 
     def get(self, key: GraphKey, build: Callable[[], RecordedRequest]) -> tuple[RecordedRequest, bool]:

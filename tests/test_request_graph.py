@@ -87,13 +87,35 @@ def test_declined_requests_run_the_normal_path_and_say_why(pair, kw, why):
     np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=1e-6)
 
 
-def test_img2img_and_sdxl_are_declined(tiny_sd_sdxl, tmp_path):
+@pytest.fixture(scope="module")
+def pair_xl(tiny_sd_sdxl):
+    """The tiny SDXL pipeline twice on the CPU: the normal path, and the recorded path's function (eager)."""
+    normal = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sdxl"])), OptimizationFlags(), CPU)
+    recorded = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sdxl"])), OptimizationFlags(), CPU)
+    recorded._request_graph_mode = "eager"
+    return normal, recorded
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scheduler="euler", steps=2, guidance=5.0),                              # empty negative: zero embeddings
+    dict(scheduler="euler", steps=2, guidance=5.0, negative_prompt="blurry"),    # both encoders on the negative
+    dict(scheduler="dpm++2m-karras", steps=3, guidance=0.0, batch_size=2),       # no CFG, batch 2
+])
+def test_sdxl_recorded_function_gives_the_normal_image(pair_xl, kw):
+    """SDXL: both text encoders (penultimate states side by side, the second's pooled projection), the size
+    conditioning and the empty-negative zeros, as diffusers' SDXL call makes them."""
+    normal, recorded = pair_xl
+    want = _gen(normal, **kw)
+    got = _gen(recorded, **kw)
+    assert got.optimizations["request_graph"].get("last_fallback") is None, got.optimizations["request_graph"]
+    np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=2e-5)
+    key = next(reversed(recorded._graphs.graphs))
+    assert key.zero_negative == (kw["guidance"] > 1 and "negative_prompt" not in kw)
+
+
+def test_img2img_is_declined(tiny_sd_sdxl, tmp_path):
     from PIL import Image
 
-    sdxl = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sdxl"])), OptimizationFlags(), CPU)
-    sdxl._request_graph_mode = "eager"
-    res = _gen(sdxl, steps=2)
-    assert "SDXL" in res.optimizations["request_graph"]["last_fallback"] and res.images
     sd = DiffusionPipeline(load_diffusion(str(tiny_sd_sdxl["sd"])), OptimizationFlags(), CPU)
     sd._request_graph_mode = "eager"
     init = tmp_path / "init.png"
@@ -140,12 +162,13 @@ def test_flag_round_trips_through_cli_api_and_bench():
 # -- on a GPU ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, compile_mode", [("fp16", "reduce-overhead")])
-def test_gpu_recorded_request_matches_the_normal_path(tiny_sd_sdxl, precision, compile_mode):
+@pytest.mark.parametrize("family, precision, compile_mode", [("sd", "fp16", "reduce-overhead"),
+                                                           ("sdxl", "bf16", "reduce-overhead")])
+def test_gpu_recorded_request_matches_the_normal_path(tiny_sd_sdxl, family, precision, compile_mode):
     """The recorded graph replays what the normal path computes: same seed, same picture (half precision,
     compiled or not), and a replay with another prompt, seed and guidance gives that request's picture."""
     cuda = torch.device("cuda")
-    folder = str(tiny_sd_sdxl["sd"])
+    folder = str(tiny_sd_sdxl[family])
     flags = OptimizationFlags(precision=precision, compile=compile_mode)
     normal = DiffusionPipeline(load_diffusion(folder, device=cuda), flags, cuda)
     graphed = DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(
