@@ -1174,8 +1174,8 @@ class DiffusionPipeline:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 return None
-            if new:
-                rep.setdefault("recorded", []).append(_graph_key_str(key))
+            if new:          # the shapes recorded so far, the latest last (a few: shapes are evicted past MAX_GRAPHS)
+                rep["recorded"] = (rep.get("recorded", []) + [_graph_key_str(key)])[-2 * rgraph.MAX_GRAPHS:]
             rec.load(ids_pos, ids_neg, noise, float(p.guidance))
             u8, raw, finite = rec.run()
             images = [Image.fromarray(u8[i], "RGB") for i in range(u8.shape[0])] if finite else []
