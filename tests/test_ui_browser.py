@@ -164,11 +164,24 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     size.blur()                            # a custom value commits on Enter or blur; both, on a busy box
     page.click("#seed-dice")
     page.wait_for_function("/^\\d+$/.test(document.querySelector('#seed-input textarea').value)")
+    # A preview streams in while it denoises and leaves when the image is there. The tiny model can finish
+    # between two polls of a busy page, so a DOM observer installed before the click records that one was
+    # shown, whenever it was (polling for it missed it once in CI).
+    page.evaluate("""() => {
+        window.__previewSeen = false;
+        const check = () => {
+            const img = document.querySelector('#preview-image img');
+            if (img && img.offsetParent !== null) window.__previewSeen = true;
+        };
+        window.__previewObserver = new MutationObserver(check);
+        window.__previewObserver.observe(document.body, {subtree: true, childList: true, attributes: true});
+    }""")
     page.click("#generate-btn")
-    page.wait_for_function(visible("#preview-image img"))   # a preview streams in while it denoises
     wait_progress(page, r"Done: 1 image")
     page.wait_for_function("document.querySelectorAll('#output-gallery img').length === 1")
     page.wait_for_function("!" + visible("#preview-image"))  # and leaves when the image is there
+    assert page.evaluate("window.__previewSeen"), "no preview was shown while the image denoised"
+    page.evaluate("window.__previewObserver.disconnect()")
     params = page.inner_text("#selected-params")
     assert "watercolor fox" in params and "diffusion" in params
     assert re.search(r'"width"\s*:\s*64', params), params
