@@ -5,7 +5,7 @@ and which requests it serves). This toggle says whether it can run here and fixe
 compile: a module compiled with CUDA graphs (reduce-overhead) cannot be recorded inside another graph,
 so with this toggle the compiled modules are built without their own graphs and the request graph replays
 their kernels instead. Requests the recorded path does not serve (previews, image-to-image, ancestral
-samplers, SDXL) then run compiled without CUDA graphs.
+samplers, fp16 SDXL) then run compiled without CUDA graphs.
 """
 from __future__ import annotations
 

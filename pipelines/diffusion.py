@@ -777,20 +777,21 @@ class DiffusionPipeline:
             if v < 64 or v > MAX_SIDE or v % mult:
                 raise InputError(f"{label} must be a multiple of {mult} between 64 and {MAX_SIDE}; got {v} "
                                  f"(nearest valid: {max(64, min(MAX_SIDE, round(v / mult) * mult))})")
-        # A size this pipeline has recorded as a request graph decoded within its own memory pool: nothing new is
-        # allocated for it, so the free-memory query (a driver call on the request's critical path) is skipped.
-        recorded = self._graphs.has_size(batch, h, w)
-        cap, free = (w * h, 0) if recorded else pixel_cap(self.device, _param_dtype(self.pipe.vae), self.flags, batch)
+        try:
+            scheduler = resolve_scheduler_name(p.scheduler)
+        except InputError:
+            raise
+        # A request that replays a graph already recorded runs inside that graph's memory pool: nothing new is
+        # allocated, so the free-memory query (a driver call on the request's critical path) is skipped.
+        replays = (self._request_graph_mode is not None and task == "txt2img" and not int(p.preview_every or 0)
+                   and self._graph_key(p, scheduler) in self._graphs.graphs)
+        cap, free = (w * h, 0) if replays else pixel_cap(self.device, _param_dtype(self.pipe.vae), self.flags, batch)
         if w * h > cap:
             where = f"{free / 2**30:.1f} GiB free on {self.device}" if free else str(self.device)
             # OutOfMemory: the same request would fail again (the A1111 API answers 422, not a 503 to retry)
             raise OutOfMemory(f"{w}x{h} × batch {batch} is too large to decode with {where} (cap: about "
                                 f"{cap / 1e6:.2f} megapixels per image). Lower the size or batch, or turn on "
                                 f"vae-tiling / vae-slicing.")
-        try:
-            scheduler = resolve_scheduler_name(p.scheduler)
-        except InputError:
-            raise
         init = None
         if task == "img2img":
             if p.init_image is None or (isinstance(p.init_image, str) and not p.init_image.strip()):
@@ -1126,6 +1127,14 @@ class DiffusionPipeline:
                                            self.loaded.hash or self.model_id, flags, rep)
         return self._aot
 
+    def _graph_key(self, p: DiffusionParams, scheduler: str) -> rgraph.GraphKey:
+        """The recorded-graph shape a text-to-image request needs (its scheduler name already resolved)."""
+        cfg = float(p.guidance) > 1.0
+        zero_negative = self.family == "sdxl" and cfg and not (p.negative_prompt or "") and bool(
+            self.pipe.config.get("force_zeros_for_empty_prompt", True))
+        return rgraph.GraphKey(int(p.batch_size), int(p.height), int(p.width), int(p.steps), scheduler, cfg,
+                               zero_negative)
+
     def _generate_recorded(self, request, job: Job, chk: CheckedInputs, view, seeds, generator, t0):
         """The request through its recorded graph; None when it must take the normal path (the reason is
         reported under optimizations['request_graph'])."""
@@ -1135,12 +1144,8 @@ class DiffusionPipeline:
         if why is not None:
             rep["last_fallback"] = why
             return None
-        cfg = float(p.guidance) > 1.0
-        xl = self.family == "sdxl"
-        zero_negative = xl and cfg and not (p.negative_prompt or "") and bool(
-            self.pipe.config.get("force_zeros_for_empty_prompt", True))
-        key = rgraph.GraphKey(int(p.batch_size), int(p.height), int(p.width), int(p.steps), chk.scheduler, cfg,
-                              zero_negative)
+        key = self._graph_key(p, chk.scheduler)
+        cfg, xl, zero_negative = key.cfg, self.family == "sdxl", key.zero_negative
         if key in self._graphs.failed:
             rep["last_fallback"] = self._graphs.failed[key]
             return None

@@ -279,8 +279,5 @@ class RequestGraphs:
         self.graphs[key] = got
         return got, True
 
-    def has_size(self, batch: int, height: int, width: int) -> bool:
-        return any((k.batch, k.height, k.width) == (batch, height, width) for k in self.graphs)
-
     def clear(self) -> None:
         self.graphs.clear()
