@@ -9,8 +9,8 @@
 #   start        pick the fastest measured configuration and start training in the background
 #                (setsid: it outlives this call while the machine stays held); TRAIN_MINUTES budget
 #   wait         follow the run for WAIT_SECONDS (default 540), then copy its latest grid, log and
-#                newest G_ema snapshot to $OUT (WAIT_CKPT=1: the whole resumable checkpoint instead, 8 files
-#                in all: put them in training_state/emoji64 here and pack_training_state.sh packs them)
+#                newest G_ema snapshot to $OUT (WAIT_CKPT=1: the whole resumable checkpoint and the log instead,
+#                7 files, 8 with a `tests` log: put them in training_state/emoji64 here and pack_training_state.sh packs them)
 #   tests        the trainer's GPU tests (log under $OUT), run beside the training
 #   finish       wait for the run to end (STOP_NOW=1: SIGTERM it first), export G_ema (fp16) + grid + model card, the emoji metric
 #                over every snapshot, a samples-vs-kimg strip; small files packed in $OUT/small.tgz
@@ -62,7 +62,10 @@ EOF
       t_end=$(( $(date +%s) + ${WAIT_SECONDS:-540} ))
       while running && [ "$(date +%s)" -lt "$t_end" ]; do sleep 20; done
       grep -E "^\[train\] kimg" "$RUN.log" | awk 'NR % 10 == 1' | tail -12; tail -3 "$RUN.log"
-      cp "$RUN/samples.png" "$OUT/" 2>/dev/null; cp "$RUN/log.jsonl" "$OUT/" 2>/dev/null
+      cp "$RUN/log.jsonl" "$OUT/" 2>/dev/null
+      # a call returns at most 8 files: with the checkpoint's 6 and a `tests` log, samples.png would be the
+      # ninth and push one checkpoint file out (state.json was the one lost on 2026-12-03)
+      [ "${WAIT_CKPT:-0}" = 1 ] || cp "$RUN/samples.png" "$OUT/" 2>/dev/null
       if [ "${WAIT_CKPT:-0}" = 1 ]; then
         # the whole resumable checkpoint (state.json + G, G_ema, D, opt_G, opt_D: 6 files, 44 MiB for
         # emoji64), so a machine lost before `finish` costs only the kimg since the last checkpoint;
