@@ -77,6 +77,60 @@ def test_generator_reproduces_nvlabs_reference(networks, testdata, name, key):
     assert_matches_reference(out[0].numpy(), refs[key], f"{name} {key}")
 
 
+# Made once with NVlabs' own code (github.com/NVlabs/stylegan3 at c233a919, legacy.load_network_pkl, CPU,
+# float32; their code is not part of this repository): for each shared pickle, D and G on seeded inputs
+# (img = RandomState(7).randn(4, 3, R, R), z = RandomState(8).randn(4, z_dim), c one-hot at i % c_dim),
+# D's logits and the norm of d sum(logits) / d img (R1's gradient) and its dot with probe
+# RandomState(10).randn(4, 3, R, R); G in training mode (unfused modulated convs) with const noise: its
+# output's norm and dot with the same probe, and the norm of every parameter's gradient of
+# sum(G(z) * RandomState(9).randn(4, 3, R, R)). The shared references cover only G_ema's forward pass;
+# these cover what training uses (D, its input gradient, G's training path and its backward).
+TRAINING_PATH_REF = Path(__file__).resolve().parent / "reference" / "sg2_training_path_ref.npz"
+
+
+def _close(out: np.ndarray, ref: np.ndarray, what: str, rel: float = 1e-4) -> None:
+    err = np.abs(np.asarray(out, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12)
+    assert err < rel, f"{what}: {np.asarray(out).tolist()} vs NVlabs {ref.tolist()} (relative {err:.3g})"
+
+
+@pytest.mark.parametrize("name", SG2_PICKLES)
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_training_path_reproduces_nvlabs(networks, name, impl):
+    """D, R1's input gradient, G's training forward and its parameter gradients equal NVlabs' own code,
+    with the reference ops and with the fast kernels the trainer picks on a GPU."""
+    ref = np.load(TRAINING_PATH_REF)
+    D = discriminator_from_record(networks[name]["D"]).eval()
+    G = generator_from_record(networks[name]["G"]).train()
+    R = D.img_resolution
+    img = torch.from_numpy(np.random.RandomState(7).randn(4, 3, R, R).astype(np.float32))
+    z = torch.from_numpy(np.random.RandomState(8).randn(4, G.z_dim).astype(np.float32))
+    probe_y = torch.from_numpy(np.random.RandomState(9).randn(4, 3, R, R).astype(np.float32))
+    probe_g = torch.from_numpy(np.random.RandomState(10).randn(4, 3, R, R).astype(np.float32))
+    c = None
+    if D.c_dim:
+        c = torch.zeros(4, D.c_dim)
+        c[torch.arange(4), torch.arange(4) % D.c_dim] = 1
+    choice = {} if impl == "reference" else dict(fir="separable", up="subpixel-fused", down="fused-s2d",
+                                                   grad="gradfix")
+    with ops.use_impl(**choice):
+        x = img.clone().requires_grad_(True)
+        logits = D(x, c, force_fp32=True)
+        (grad,) = torch.autograd.grad(logits.sum(), x)
+        y = G(z, c, noise_mode="const", force_fp32=True)
+        (y * probe_y).sum().backward()
+    _close(logits.detach()[:, 0].numpy(), ref[f"{name}/d_logits"], f"{name} D logits")
+    _close(grad.flatten(1).norm(dim=1).numpy(), ref[f"{name}/d_grad_norm"], f"{name} |dD/dx|")
+    _close((grad * probe_g).flatten(1).sum(1).numpy(), ref[f"{name}/d_grad_probe"], f"{name} dD/dx . probe")
+    _close(y.detach().flatten(1).norm(dim=1).numpy(), ref[f"{name}/g_train_norm"], f"{name} |G(z)| (training)")
+    _close((y.detach() * probe_g).flatten(1).sum(1).numpy(), ref[f"{name}/g_train_probe"], f"{name} G(z) . probe")
+    params = dict(G.named_parameters())
+    names = [str(n) for n in ref[f"{name}/g_param_names"]]
+    assert sorted(names) == sorted(params), "the generator's parameters differ from NVlabs'"
+    grads = np.array([params[n].grad.norm().item() for n in names])
+    _close(grads, ref[f"{name}/g_param_grad_norm"], f"{name} G parameter gradient norms", rel=1e-3)
+    assert (grads[ref[f"{name}/g_param_grad_norm"] > 0] > 0).all()
+
+
 def _walk(rec, prefix=""):
     yield prefix, rec
     for name, child in rec.children.items():
