@@ -54,7 +54,11 @@ class StyleGANPipeline:
             raise InputError("this model is unconditional: leave the class empty")
         if G.c_dim > 0:
             if p.class_index is None:
-                raise InputError(f"this model is conditional: choose a class index in 0..{G.c_dim - 1}")
+                names = ((getattr(self.loaded, "config", None) or {}).get("metadata") or {}).get("classes") or {}
+                names = names.get("names") if isinstance(names, dict) else None
+                listed = (" (" + ", ".join(f"{i} {n}" for i, n in enumerate(names[:12]))
+                          + (", …" if len(names) > 12 else "") + ")") if isinstance(names, list) and names else ""
+                raise InputError(f"this model is conditional: choose a class index in 0..{G.c_dim - 1}{listed}")
             if not (0 <= int(p.class_index) < G.c_dim):
                 raise InputError(f"class index {p.class_index} is out of range: this model has {G.c_dim} classes (0..{G.c_dim - 1})")
         if p.truncation_cutoff is not None and int(p.truncation_cutoff) > G.num_ws:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.device import pick_device  # noqa: E402
 from core.errors import AtelierError, InputError  # noqa: E402
-from evaluation.emoji_metric import (DEFAULT_DATA, DEFAULT_WEIGHTS, features, frechet_distance,  # noqa: E402
+from evaluation.emoji_metric import (DEFAULT_DATA, DEFAULT_LABELS, DEFAULT_WEIGHTS, features, frechet_distance,  # noqa: E402
                                      load_classifier, load_emoji_dataset, precision_recall, quantize)
 
 KIMG_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)kimg")
@@ -79,16 +79,25 @@ def _bar(total: int, desc: str, enabled: bool):
 
 @torch.no_grad()
 def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, truncation: float, seed: int,
-                       device: torch.device, desc: str = "", progress: bool = True) -> np.ndarray:
-    if int(getattr(G, "c_dim", 0)) > 0:
-        raise InputError("this generator is class-conditional; the emoji metric scores unconditional generators")
+                       device: torch.device, desc: str = "", progress: bool = True,
+                       labels: np.ndarray | None = None) -> np.ndarray:
+    """Classifier features of n samples. A class-conditional G draws each sample's class from `labels` (the data
+    set's per-image class indices), so the classes come in the data's proportions, as NVlabs' metrics do."""
+    c_dim = int(getattr(G, "c_dim", 0))
+    if c_dim and labels is None:
+        raise InputError("this generator is class-conditional: the metric needs the data set's labels for its classes")
     gen = torch.Generator(device=device).manual_seed(seed)
+    pool = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device) if c_dim else None
     bar = _bar(n, desc, progress)
     out = []
     for i in range(0, n, batch):
         b = min(batch, n - i)
         z = torch.randn([b, G.z_dim], generator=gen, device=device)
-        img = G(z, None, truncation_psi=truncation, noise_mode="const")
+        c = None
+        if c_dim:
+            pick = torch.randint(0, len(pool), (b,), generator=gen, device=device)
+            c = torch.nn.functional.one_hot(pool[pick], c_dim).float()
+        img = G(z, c, truncation_psi=truncation, noise_mode="const")
         out.append(features(quantize(img), classifier, batch=batch))
         if bar is not None:
             bar.update(b)
@@ -170,9 +179,17 @@ def run(args) -> dict:
     for path in paths:
         t = time.time()
         loaded = load_generator(path, device)
-        kimg = snapshot_kimg(path, loaded.config.get("metadata") or {})
+        meta = loaded.config.get("metadata") or {}
+        kimg = snapshot_kimg(path, meta)
+        labels = None
+        if int(getattr(loaded.G, "c_dim", 0)):
+            key = (meta.get("classes") or {}).get("key")
+            if not key:
+                raise InputError(f"{path} is class-conditional but its metadata names no label key (classes.key)")
+            from training.dataset import load_labels
+            labels, _ = load_labels(args.labels, key, len(real_images))
         fake = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed, device,
-                                  desc=path.stem, progress=not args.no_progress)
+                                  desc=path.stem, progress=not args.no_progress, labels=labels)
         row = {"file": str(path), "kimg": kimg, "sha256": loaded.sha256, "fd": frechet_distance(real, fake),
                **precision_recall(real, fake, k=args.k, device=device), "seconds": round(time.time() - t, 2)}
         result["snapshots"].append(row)
@@ -207,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generator", nargs="+", help="one or more model files to score (kimg from metadata if any)")
     ap.add_argument("--classifier", type=Path, default=DEFAULT_WEIGHTS)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--labels", type=Path, default=DEFAULT_LABELS,
+                    help="per-image class indices of --data, for class-conditional generators")
     ap.add_argument("--n", type=int, default=10_000, help="generated samples per snapshot")
     ap.add_argument("--k", type=int, default=3, help="k of the k-NN balls for precision/recall")
     ap.add_argument("--truncation", type=float, default=1.0)

@@ -78,8 +78,11 @@ def _render(G, args, device):
     from training.dataset import to_uint8_hwc
 
     z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in range(args.seeds)])
+    c = None
+    if int(getattr(G, "c_dim", 0)):              # a class-conditional model: seed s draws class s % c_dim
+        c = torch.nn.functional.one_hot(torch.arange(args.seeds) % G.c_dim, G.c_dim).float().to(device)
     with torch.no_grad():
-        img = G(torch.from_numpy(z).float().to(device), None, truncation_psi=args.psi, noise_mode="const")
+        img = G(torch.from_numpy(z).float().to(device), c, truncation_psi=args.psi, noise_mode="const")
     return to_uint8_hwc(img.cpu())
 
 

@@ -282,3 +282,28 @@ def test_snapshot_script_errors(tmp_path, capsys):
     assert "nothing to score" in capsys.readouterr().err
     assert emoji_metrics.snapshot_kimg(Path("G_ema-000200kimg.safetensors"), {}) == 200.0
     assert emoji_metrics.snapshot_kimg(Path("x.safetensors"), {"training": {"kimg": 716.8}}) == 716.8
+
+
+def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, subset):
+    """A class-conditional G draws its classes from the data's labels (key from the file's metadata)."""
+    from models import stylegan2
+    from models.stylegan import save_generator
+    from training.dataset import load_labels
+
+    groups, names = load_labels(DEFAULT_LABELS, "group", 3916)
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps({"group": groups[subset[:300]].tolist(), "groups": names}))
+    torch.manual_seed(1)
+    G = stylegan2.Generator(z_dim=8, c_dim=len(names), w_dim=8, img_resolution=16, img_channels=3,
+                            mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+    save_generator(G, tmp_path / "cond" / "G_ema-000040kimg", "stylegan2",
+                   metadata={"kimg": 40, "classes": {"key": "group", "names": names}})
+    save_generator(G, tmp_path / "nokey" / "G_ema-000040kimg", "stylegan2", metadata={"kimg": 40})
+    base = ["--n", "40", "--batch", "16", "--device", "cpu", "--data", str(small_data), "--labels", str(labels),
+            "--no-progress"]
+    out = tmp_path / "m.json"
+    assert emoji_metrics.main(["--snapshots", str(tmp_path / "cond"), *base, "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["snapshots"][0]
+    assert row["kimg"] == 40.0 and row["fd"] > 0 and 0 <= row["recall"] <= 1
+    # without the label key in its metadata the script cannot know which classes the generator was trained on
+    assert emoji_metrics.main(["--snapshots", str(tmp_path / "nokey"), *base]) == 2

@@ -82,3 +82,39 @@ def test_tf32_and_cudnn_benchmark_hold_inside_iterations_only(tmp_path):
         assert switches() == (False, False, False)
     finally:
         b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark = saved
+
+
+@pytest.mark.parametrize("where", ["gpu", "host"])
+def test_conditional_training_on_the_gpu_keeps_labels_with_images_and_never_syncs(tmp_path, where):
+    """--cond: the pinned-host prefetch carries each batch's labels with it, and the label draws and one-hot
+    rows add no host synchronisation to the inner loop."""
+    from training.dataset import ImageBatches
+
+    n = 64
+    images = np.zeros((n, 8, 8, 3), np.uint8)
+    images[..., 0] = np.arange(n)[:, None, None]
+    labels = np.arange(n) % 5
+    loader = ImageBatches(images, 16, torch.device("cuda"), seed=1, where=where, labels=labels)
+    for _ in range(7):
+        x, lab = loader.next_labeled()
+        assert torch.equal(lab.cpu(), torch.from_numpy(labels)[x[:, 0, 0, 0].long().cpu()])
+
+    data = _data(tmp_path)
+    lab_path = tmp_path / "labels.json"
+    lab_path.write_text(json.dumps({"group": [i % 3 for i in range(256)]}))
+    cfg = build_config("emoji64", data=data, out=str(tmp_path / "c"), kimg=10, batch=32, progress=False,
+                       r1_interval=2, pl_interval=2, ada_interval=1, data_device=where, cond="group",
+                       labels=str(lab_path))
+    tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
+    assert tr.G.c_dim == 3 and tr.D.c_dim == 3
+    for _ in range(3):
+        tr.iteration()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            tr.iteration()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(tr.stats).all()

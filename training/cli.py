@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compile", action="store_true", default=None, help="torch.compile the forward passes (slow first start)")
     a("--cbase", type=int, default=None, help="channel base of G and D (channels = min(cbase / res, cmax))")
     a("--cmax", type=int, default=None, help="most channels of any layer of G and D")
+    a("--cond", default=None, metavar="KEY",
+      help="class-conditional G and D (NVlabs --cond) on the per-image class indices under KEY of --labels; "
+           "emoji64: group (10 Unicode groups) or class (98 subgroups)")
+    a("--labels", default=None, metavar="FILE",
+      help="JSON with a list of class indices per image under the --cond key (and the class names under its "
+           "plural); emoji64's default: assets/datasets/emoji64_labels.json")
     a("--kernels", default=None,
       help="op formulations: auto (the measured fastest on CUDA: conv gradfix, folded up/down convs, separable "
            "FIR; the reference on the CPU), reference, or knob:choice pairs joined by '/', e.g. "
@@ -105,7 +111,8 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
                  "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
-                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax")
+                 "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
+                 "cond", "labels")
 
 
 def retune_from_args(args: argparse.Namespace) -> dict | None:

@@ -46,6 +46,11 @@ class TrainConfig:
     d_kwargs: dict = field(default_factory=dict)
     cbase: int = 0                          # > 0: channel_base of G and D (NVlabs --cbase), over the preset's
     cmax: int = 0                           # > 0: channel_max of G and D (NVlabs --cmax)
+    cond: str = ""                          # "" = unconditional; else class-conditional G and D (NVlabs --cond) on
+                                            # the per-image class indices under this key of `labels`
+    labels: str = ""                        # JSON with per-image class indices (emoji64: keys group, class)
+    c_dim: int = 0                          # number of classes: set from the labels when the run starts and
+                                            # saved, so that a resume rebuilds the same networks
 
     # -- length -------------------------------------------------------------------------------
     kimg: float = 25000.0                   # stop after this many thousand real images shown to D
@@ -178,6 +183,7 @@ def build_config(preset: str = "stylegan2", resolution: int = 0, **overrides: An
     # Preset defaults first, so explicit overrides win.
     if preset == "emoji64":
         cfg.data = "assets/datasets/emoji64.npy.xz"
+        cfg.labels = "assets/datasets/emoji64_labels.json"   # --cond group (10 classes) or class (98)
         cfg.batch = 256         # H200, wide network: 1.46x the img/s of 128, no gain at 512 (docs/training.md)
         cfg.lr_g = cfg.lr_d = 0.0025
         cfg.r1_gamma = 0.05     # sharp glyph edges on flat white: more R1 than the auto 0.0064 keeps D smooth
@@ -268,6 +274,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.cmax <= 4096 and cfg.cbase <= 2**20,
          f"--cmax {cfg.cmax} / --cbase {cfg.cbase} are beyond any StyleGAN configuration (cmax <= 4096)")
     need(cfg.kimg > 0, f"--kimg must be positive; got {cfg.kimg}")
+    need(not cfg.cond or bool(cfg.labels),
+         f"--cond {cfg.cond} needs --labels FILE: a JSON with a list of per-image class indices under {cfg.cond!r}")
+    need(cfg.arch == "stylegan2" or not cfg.cond, "class-conditional training (--cond) is for StyleGAN2 networks")
     need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")
     need(1 <= cfg.d_steps <= 10, f"the D:G ratio (--d-steps) must be 1..10; got {cfg.d_steps}")
     need(0.0 <= cfg.aug_p <= 1.0, f"--aug-p must be in [0, 1]; got {cfg.aug_p}")

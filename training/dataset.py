@@ -203,6 +203,42 @@ def load_images(path: str | Path, resolution: int = 0,
     return arr, DatasetInfo(str(path), len(arr), resolution, 3, "pillow", str(cache) if cache else None)
 
 
+def load_labels(path: str | Path, key: str, count: int) -> tuple[np.ndarray, list[str]]:
+    """Per-image class indices (int64 [count], in the data set's image order) and the class names.
+
+    The file is JSON with a list of `count` whole numbers under `key` and, optionally, the class names
+    under its plural (`classes` for `class`, `groups` for `group`): assets/datasets/emoji64_labels.json
+    has both for `group` (10 Unicode groups) and `class` (98 subgroups)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"the labels file {path} does not exist; give --labels FILE (a JSON file)") from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read the labels file {path}: {exc}") from None
+    if not isinstance(doc, dict) or key not in doc:
+        keys = ", ".join(k for k, v in (doc.items() if isinstance(doc, dict) else []) if isinstance(v, list))
+        raise InputError(f"{path} has no per-image labels under {key!r}; lists in it: {keys or 'none'}")
+    raw = doc[key]
+    if not isinstance(raw, list) or len(raw) != count:
+        n = len(raw) if isinstance(raw, list) else "no list"
+        raise InputError(f"{path}[{key!r}] must list one class index per image: the data set has {count} images, "
+                         f"the file {n}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in raw):
+        bad = next(v for v in raw if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+        raise InputError(f"{path}[{key!r}] must hold whole numbers >= 0 (class indices); found {bad!r}")
+    labels = np.asarray(raw, dtype=np.int64)
+    names = next((doc[k] for k in (key + "es", key + "s") if isinstance(doc.get(k), list)), None)
+    n_classes = int(labels.max()) + 1
+    if names is None:
+        names = [str(i) for i in range(n_classes)]
+    elif len(names) < n_classes:
+        raise InputError(f"{path} names {len(names)} classes under {key!r}s but an image has class {n_classes - 1}")
+    if len(names) < 2:
+        raise InputError(f"{path}[{key!r}] has a single class: conditional training needs at least 2")
+    return labels, [str(n) for n in names]
+
+
 def read_dataset_meta(path: str | Path) -> dict:
     """The JSON sidecar of a bundled array dataset (license, count), or {}."""
     p = Path(path)
@@ -238,7 +274,10 @@ class ImageBatches:
     """
 
     def __init__(self, images: np.ndarray, global_batch: int, device: torch.device, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, mirror: bool = False, where: str = "auto"):
+                 rank: int = 0, world_size: int = 1, mirror: bool = False, where: str = "auto",
+                 labels: np.ndarray | None = None):
+        if labels is not None and len(labels) != len(images):
+            raise InputError(f"{len(labels)} labels for {len(images)} images")
         if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
             raise InputError(f"expected (N, R, R, 3) uint8 images; got {images.dtype} {list(images.shape)}")
         n = len(images) * (2 if mirror else 1)
@@ -286,6 +325,12 @@ class ImageBatches:
                 self._slot = 0
         else:
             raise InputError(f"data placement must be auto, gpu, host or host-plain; got {where!r}")
+        # class indices (conditional training): on the device, and a pinned copy for the host prefetch
+        self.labels = None if labels is None else torch.as_tensor(np.asarray(labels, dtype=np.int64)).to(self.device)
+        self._labels_host = None
+        if labels is not None and where == "host" and self.device.type == "cuda":
+            self._labels_host = torch.as_tensor(np.asarray(labels, dtype=np.int64))
+            self._label_staging = [torch.empty(self.batch, dtype=torch.int64).pin_memory() for _ in range(2)]
 
     # -- sampler -----------------------------------------------------------------------------------
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
@@ -336,11 +381,16 @@ class ImageBatches:
         imgs = self.data.index_select(0, idx % self.num_images)
         return torch.where(flip[:, None, None, None], imgs.flip(3), imgs)
 
-    def _host_batch(self) -> tuple[torch.Tensor, object, dict]:
+    def _labels_of(self, idx: torch.Tensor) -> torch.Tensor | None:
+        if self.labels is None:
+            return None
+        return self.labels.index_select(0, (idx % self.num_images).to(self.labels.device))
+
+    def _host_batch(self) -> tuple[torch.Tensor, object, dict, torch.Tensor | None]:
         idx = self._next_indices()
         cursor = self._cursor()
         if self.device.type != "cuda":
-            return self._gather(idx), None, cursor
+            return self._gather(idx), None, cursor, self._labels_of(idx)
         slot = self._slot
         self._slot ^= 1
         if self._events[slot] is not None:
@@ -350,27 +400,40 @@ class ImageBatches:
         if self.mirror:
             flip = idx >= self.num_images
             buf[flip] = buf[flip].flip(3)
+        lab_buf = None
+        if self._labels_host is not None:
+            lab_buf = self._label_staging[slot]
+            torch.index_select(self._labels_host, 0, idx % self.num_images, out=lab_buf)
         with torch.cuda.stream(self._stream):
             out = buf.to(self.device, non_blocking=True)
+            lab = lab_buf.to(self.device, non_blocking=True) if lab_buf is not None else None
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._events[slot] = ev
-        return out, ev, cursor
+        return out, ev, cursor, lab
 
     def next(self) -> torch.Tensor:
         """The next uint8 batch [b, 3, R, R] of this rank, on the device."""
+        return self.next_labeled()[0]
+
+    def next_labeled(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next batch and its class indices [b] (int64, on the device; None without labels)."""
         if self.where in ("gpu", "host-plain"):
-            x = self._gather(self._next_indices())
+            idx = self._next_indices()
+            x = self._gather(idx)
             self._handed = self._cursor()
-            return x if self.where == "gpu" else x.to(self.device)
+            return (x if self.where == "gpu" else x.to(self.device)), self._labels_of(idx)
         if self._prefetched is None:
             self._prefetched = self._host_batch()
-        out, ev, self._handed = self._prefetched
+        out, ev, self._handed, lab = self._prefetched
         self._prefetched = self._host_batch()      # start copying the following batch now
         if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
-            out.record_stream(torch.cuda.current_stream(self.device))
-        return out
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ev)
+            out.record_stream(stream)
+            if lab is not None:
+                lab.record_stream(stream)
+        return out, lab
 
 
 def to_float(batch_uint8: torch.Tensor, channels_last: bool = False) -> torch.Tensor:

@@ -41,8 +41,12 @@ def render_seeds(G: torch.nn.Module, seeds: list[int], psi: float = 0.7, batch: 
     """uint8 [N, R, R, 3] for `seeds`, z = RandomState(seed).randn(z_dim) as the studio does."""
     out = []
     for i in range(0, len(seeds), batch):
-        z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in seeds[i:i + batch]])
-        img = G(torch.from_numpy(z).float(), None, truncation_psi=psi, noise_mode="const")
+        part = seeds[i:i + batch]
+        z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in part])
+        c = None
+        if int(getattr(G, "c_dim", 0)):          # a conditional model: seed s draws class s % c_dim
+            c = torch.nn.functional.one_hot(torch.tensor(part) % G.c_dim, G.c_dim).float()
+        img = G(torch.from_numpy(z).float(), c, truncation_psi=psi, noise_mode="const")
         out.append(to_uint8_hwc(img))
     return np.concatenate(out)
 
@@ -164,6 +168,8 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
         "monitor": _monitor_summary(doc),
         "recommended_truncation": psi,
     }
+    if doc.get("classes"):
+        meta["classes"] = doc["classes"]        # {"key": "group", "names": [...]}: class index -> name
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     size = weights.stat().st_size
     if max_bytes is not None and size > max_bytes:

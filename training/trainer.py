@@ -50,14 +50,14 @@ from training import distributed as dist_utils
 from training import losses
 from training.augment import AdaController, AugmentPipe, leak_prone_ops
 from training.config import TrainConfig, finalize
-from training.dataset import ImageBatches, _mix, image_grid, load_images, to_float, to_uint8_hwc
+from training.dataset import ImageBatches, _mix, image_grid, load_images, load_labels, to_float, to_uint8_hwc
 from training.monitor import CollapseMonitor
 
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
 RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
                       "progress", "device", "data", "data_device", "compile", "precision", "tf32",
                       "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
-                      "snapshot_ema")
+                      "snapshot_ema", "labels")
 # Settings of the training recipe (not of the networks) that a resumed run changes only when asked to
 # (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
@@ -82,9 +82,9 @@ def build_networks(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
 
         G = stylegan3.Generator(z_dim, 0, w_dim, cfg.resolution, 3, **g_kwargs)
     else:
-        G = stylegan2.Generator(z_dim, 0, w_dim, cfg.resolution, 3, **g_kwargs)
+        G = stylegan2.Generator(z_dim, cfg.c_dim, w_dim, cfg.resolution, 3, **g_kwargs)
     d_kwargs = dict(cfg.d_kwargs)
-    D = stylegan2.Discriminator(0, cfg.resolution, 3, **d_kwargs)
+    D = stylegan2.Discriminator(cfg.c_dim, cfg.resolution, 3, **d_kwargs)
     return G, D
 
 
@@ -108,6 +108,15 @@ def backend_switches(device: torch.device | str, tf32: bool):
         yield
     finally:
         b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark = saved
+
+
+def grid_labels(c_dim: int, start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """One-hot labels for samples start..start+n of a grid: sample i is class i % c_dim (None when unconditional),
+    so a conditional model's grid shows its classes in order."""
+    if not c_dim:
+        return None
+    idx = torch.arange(start, start + n, device=device) % c_dim
+    return torch.nn.functional.one_hot(idx, c_dim).float()
 
 
 def resolve_data_path(data: str) -> Path:
@@ -209,10 +218,23 @@ class Trainer:
             images, info = data
         self.data_info = info
         cfg = finalize(cfg, info.resolution, self.dist.world_size)
+        labels, self.class_names = None, []
+        if cfg.cond:
+            labels, self.class_names = load_labels(resolve_data_path(cfg.labels), cfg.cond, len(images))
+            if resume_doc is not None and cfg.c_dim != len(self.class_names):
+                raise InputError(f"the checkpoint's networks have {cfg.c_dim} classes, but {cfg.labels} has "
+                                 f"{len(self.class_names)} under {cfg.cond!r}; resume with the run's own labels")
+            cfg.c_dim = len(self.class_names)
+        elif cfg.c_dim:
+            raise InputError(f"the config has {cfg.c_dim} classes but no --cond key to read them from")
         self.cfg = cfg
         self.batch_gpu = cfg.batch // self.dist.world_size
         self.loader = ImageBatches(images, cfg.batch, self.device, seed=cfg.seed, rank=self.dist.rank,
-                                   world_size=self.dist.world_size, mirror=cfg.mirror, where=cfg.data_device)
+                                   world_size=self.dist.world_size, mirror=cfg.mirror, where=cfg.data_device,
+                                   labels=labels)
+        # fake images get class labels drawn from the data set's own (NVlabs: a random training image's label)
+        self.label_pool = None if labels is None else torch.from_numpy(labels).to(self.device)
+        self.c_eye = torch.eye(cfg.c_dim, device=self.device)
         ref_idx = np.linspace(0, len(images) - 1, num=min(cfg.monitor_samples, len(images))).round().astype(int)
         self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
 
@@ -419,12 +441,30 @@ class Trainer:
         else:
             opt.step()
 
-    def _d_step(self, real: torch.Tensor) -> None:
+    def _gen_c(self, b: int) -> torch.Tensor:
+        """Class labels for b generated images: one-hot rows drawn from the data's labels ([b, 0] when unconditional)."""
+        if self.label_pool is None:
+            return self.c_empty[:b]
+        idx = torch.randint(0, self.label_pool.shape[0], (b,), device=self.device)
+        return self.c_eye.index_select(0, self.label_pool.index_select(0, idx))
+
+    def _real_c(self, labels: torch.Tensor | None, b: int) -> torch.Tensor:
+        # rows of an identity matrix: a gather, where F.one_hot may check the indices on the host
+        if labels is None:
+            return self.c_empty[:b]
+        return self.c_eye.index_select(0, labels)
+
+    def _dc(self, c: torch.Tensor) -> tuple:
+        """D's extra argument: the labels of a conditional D, nothing for an unconditional one."""
+        return (c,) if self.cfg.c_dim else ()
+
+    def _d_step(self, real: torch.Tensor, real_c: torch.Tensor) -> None:
         cfg = self.cfg
         b = real.shape[0]
         z = torch.randn(b, self.G.z_dim, device=self.device)
+        gen_c = self._gen_c(b)
         with torch.no_grad(), self._autocast():
-            fake = self.G_step(z, self.c_empty[:b], update_emas=True)[0]
+            fake = self.G_step(z, gen_c, update_emas=True)[0]
         if self.channels_last:
             fake = fake.contiguous(memory_format=torch.channels_last)
         self.opt_D.zero_grad(set_to_none=True)
@@ -432,14 +472,14 @@ class Trainer:
         with dist_utils.no_sync(self.D_train):
             with self._autocast():
                 fake_aug = self._augment(fake)
-                fake_logits = self.D_train(fake_aug)
+                fake_logits = self.D_train(fake_aug, *self._dc(gen_c))
             loss_fake = losses.wgan_d_fake(fake_logits) if wgan else losses.logistic_d_fake(fake_logits)
             self._backward(loss_fake.mean(), self.scaler_D)
         sync_ctx = dist_utils.no_sync(self.D_train) if wgan else nullcontext()
         with sync_ctx:
             with self._autocast():
                 real_aug = self._augment(real)
-                real_logits = self.D_train(real_aug)
+                real_logits = self.D_train(real_aug, *self._dc(real_c))
             loss_real = losses.wgan_d_real(real_logits, cfg.gp_drift) if wgan else losses.logistic_d_real(real_logits)
             self._backward(loss_real.mean(), self.scaler_D)
         if wgan:
@@ -464,12 +504,12 @@ class Trainer:
             if self.ada is not None:
                 self.ada.accumulate(real_logits)
 
-    def _d_r1_step(self, real: torch.Tensor) -> None:
+    def _d_r1_step(self, real: torch.Tensor, real_c: torch.Tensor) -> None:
         cfg = self.cfg
         self.opt_D.zero_grad(set_to_none=True)
         real_aug = self._augment(real).detach().requires_grad_(True)
         with self._autocast():
-            logits = self.D_reg(real_aug)
+            logits = self.D_reg(real_aug, *self._dc(real_c))
         penalty = losses.r1_penalty(real_aug, logits)
         gamma = cfg.r1_gamma_value()
         loss = penalty * (gamma / 2) * cfg.r1_interval + logits.float().flatten() * 0
@@ -484,11 +524,12 @@ class Trainer:
         _set_requires_grad(self.D, False)
         self.opt_G.zero_grad(set_to_none=True)
         z = torch.randn(b, self.G.z_dim, device=self.device)
+        gen_c = self._gen_c(b)
         with self._autocast():
-            img, _ = self.G_train(z, self.c_empty[:b])
+            img, _ = self.G_train(z, gen_c)
             if self.channels_last:
                 img = img.contiguous(memory_format=torch.channels_last)
-            logits = self.D_frozen(self._augment(img))
+            logits = self.D_frozen(self._augment(img), *self._dc(gen_c))
         loss = losses.wgan_g(logits) if cfg.loss == "wgan-gp" else losses.logistic_g(logits)
         self._backward(loss.mean(), self.scaler_G)
         self._opt_step(self.opt_G, self.scaler_G)
@@ -502,7 +543,7 @@ class Trainer:
         self.opt_G.zero_grad(set_to_none=True)
         z = torch.randn(b, self.G.z_dim, device=self.device)
         with self._autocast():
-            img, ws = self.G_reg(z, self.c_empty[:b])
+            img, ws = self.G_reg(z, self._gen_c(b))
         penalty = losses.path_length_penalty(img, ws, self.pl_mean, cfg.pl_decay)
         loss = penalty * cfg.pl_weight * cfg.pl_interval + img[:, 0, 0, 0].float() * 0
         self._backward(loss.mean(), self.scaler_G)
@@ -538,11 +579,13 @@ class Trainer:
         # All randomness of this iteration derives from (seed, rank, step): exact resume.
         torch.manual_seed(_mix(cfg.seed, self.dist.rank, self.step))
         for _ in range(self.runtime["d_steps"]):
-            real = to_float(self.loader.next(), self.channels_last)
-            self._d_step(real)
+            real_u8, labels = self.loader.next_labeled()
+            real = to_float(real_u8, self.channels_last)
+            real_c = self._real_c(labels, real.shape[0])
+            self._d_step(real, real_c)
             self.d_updates += 1
             if cfg.loss == "r1" and cfg.r1_interval > 0 and self.d_updates % cfg.r1_interval == 0:
-                self._d_r1_step(real)
+                self._d_r1_step(real, real_c)
             self.cur_nimg += cfg.batch
         self._g_step()
         self.g_updates += 1
@@ -567,7 +610,8 @@ class Trainer:
         with self._scope():
             for i in range(0, n, batch):
                 zb = z[i:i + batch]
-                out.append(self.G_ema(zb, None, truncation_psi=psi, noise_mode="const").float())
+                out.append(self.G_ema(zb, grid_labels(self.cfg.c_dim, i, len(zb), self.device),
+                                      truncation_psi=psi, noise_mode="const").float())
         return torch.cat(out)
 
     def _run_monitor(self) -> dict:
@@ -666,6 +710,7 @@ class Trainer:
             "d_updates": self.d_updates, "g_updates": self.g_updates,
             "train_seconds": self.train_seconds, "pieces": self.pieces,
             "sampler": self.loader.state_dict(),
+            "classes": {"key": self.cfg.cond, "names": self.class_names} if self.cfg.c_dim else None,
             "pl_mean": float(self.pl_mean),
             "ada": self.ada.state_dict() if self.ada is not None else None,
             "aug_p": float(self.aug.p) if self.aug is not None else None,
@@ -705,7 +750,9 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         return save_generator(self.G_ema, path, self.cfg.arch, dtype="fp16",
                               metadata={"kimg": round(kimg, 3), "step": self.step, "preset": self.cfg.preset,
-                                        "train_seconds": round(self.train_seconds, 1)})
+                                        "train_seconds": round(self.train_seconds, 1),
+                                        **({"classes": {"key": self.cfg.cond, "names": self.class_names}}
+                                           if self.cfg.c_dim else {})})
 
     def save_grid(self, path: Path, psi: float = 1.0) -> None:
         from PIL import Image
