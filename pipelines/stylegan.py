@@ -52,25 +52,41 @@ class StyleGANPipeline:
         G = self.loaded.G
         if G.c_dim == 0 and p.class_index is not None:
             raise InputError("this model is unconditional: leave the class empty")
-        if G.c_dim > 0:
-            if p.class_index is None:
-                names = ((getattr(self.loaded, "config", None) or {}).get("metadata") or {}).get("classes") or {}
-                names = names.get("names") if isinstance(names, dict) else None
-                listed = (" (" + ", ".join(f"{i} {n}" for i, n in enumerate(names[:12]))
-                          + (", …" if len(names) > 12 else "") + ")") if isinstance(names, list) and names else ""
-                raise InputError(f"this model is conditional: choose a class index in 0..{G.c_dim - 1}{listed}")
-            if not (0 <= int(p.class_index) < G.c_dim):
-                raise InputError(f"class index {p.class_index} is out of range: this model has {G.c_dim} classes (0..{G.c_dim - 1})")
+        # A conditional model without a class: seed s draws class s % c_dim (recorded per image), so every seed
+        # gives one reproducible picture and a seed range walks through the classes.
+        if G.c_dim > 0 and p.class_index is not None and not (0 <= int(p.class_index) < G.c_dim):
+            names = self.class_names()
+            listed = (" (" + ", ".join(f"{i} {n}" for i, n in enumerate(names[:12]))
+                      + (", …" if len(names) > 12 else "") + ")") if names else ""
+            raise InputError(f"class index {p.class_index} is out of range: this model has {G.c_dim} classes "
+                             f"(0..{G.c_dim - 1}){listed}")
         if p.truncation_cutoff is not None and int(p.truncation_cutoff) > G.num_ws:
             raise InputError(f"truncation cutoff {p.truncation_cutoff} exceeds the model's {G.num_ws} style layers")
 
     def memory_bytes(self) -> int:
         return module_bytes(self.G) if isinstance(self.G, torch.nn.Module) else module_bytes(self.loaded.G)
 
-    def _label(self, class_index: int | None, n: int) -> torch.Tensor:
+    def class_names(self) -> list[str]:
+        """The class names a conditional model's file records (metadata.classes.names), or []."""
+        classes = ((getattr(self.loaded, "config", None) or {}).get("metadata") or {}).get("classes") or {}
+        names = classes.get("names") if isinstance(classes, dict) else None
+        return [str(n) for n in names] if isinstance(names, list) else []
+
+    def classes_for(self, class_index: int | None, seeds: list[int]) -> list[int | None]:
+        """The class each seed is drawn with: the chosen one, or seed % c_dim for a conditional model without
+        one; None for an unconditional model."""
+        c_dim = self.loaded.G.c_dim
+        if c_dim == 0:
+            return [None] * len(seeds)
+        return [int(class_index) if class_index is not None else int(s) % c_dim for s in seeds]
+
+    def _label(self, class_index: int | None, n: int, seeds: list[int] | None = None) -> torch.Tensor:
         c = torch.zeros([n, self.loaded.G.c_dim], device=self.device)
-        if class_index is not None and self.loaded.G.c_dim > 0:
-            c[:, int(class_index)] = 1
+        if self.loaded.G.c_dim > 0:
+            if class_index is not None:
+                c[:, int(class_index)] = 1
+            elif seeds is not None:
+                c[torch.arange(n), torch.tensor(self.classes_for(None, seeds))] = 1
         return c
 
     def _noise_mode(self, mode: str) -> str:
@@ -107,7 +123,8 @@ class StyleGANPipeline:
         with job.stage("synthesis"):
             for b in range(n_batches):
                 zb = torch.from_numpy(zs[b * p.batch_size:(b + 1) * p.batch_size]).to(self.device, non_blocking=True)
-                img = self._synthesize(zb, self._label(p.class_index, len(zb)), p)
+                img = self._synthesize(zb, self._label(p.class_index, len(zb),
+                                                       p.seeds[b * p.batch_size:(b + 1) * p.batch_size]), p)
                 finite.append(torch.isfinite(img).all())
                 pixels.append(to_uint8_array(img))
                 outs.append(img.cpu())
@@ -136,7 +153,9 @@ class StyleGANPipeline:
         return GenerationResult(
             images=images, raw=raw, timings_ms=dict(job.timings_ms), peak_memory_bytes=peak_memory_bytes(self.device),
             device=str(self.device), dtype=self.optimizations.get("precision", {}).get("mode", "fp32"),
-            optimizations=self.optimizations, metadata=[{**meta_common, "seed": s} for s in seeds],
+            optimizations=self.optimizations,
+            metadata=[{**meta_common, "seed": s, "class_index": k}
+                      for s, k in zip(seeds, self.classes_for(p.class_index, seeds))],
             notes=[f"stopped after {len(seeds)} of {len(p.seeds)} images"] if stopped else [], cancelled=stopped,
         )
 
@@ -154,7 +173,7 @@ class StyleGANPipeline:
             raise InputError("style mixing needs at least one row seed and one column seed")
         seeds = list(dict.fromkeys(list(row_seeds) + list(col_seeds)))
         z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
-        c = self._label(p.class_index, len(seeds))
+        c = self._label(p.class_index, len(seeds), seeds)
         with torch.no_grad(), self._running():
             ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
             w_of = {s: ws[i] for i, s in enumerate(seeds)}
@@ -187,7 +206,7 @@ class StyleGANPipeline:
             raise InputError("frames per seed must be between 2 and 240")
         G = self.loaded.G
         z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
-        c = self._label(p.class_index, len(seeds))
+        c = self._label(p.class_index, len(seeds), seeds)
         frames = []
         total = len(seeds) * frames_per_seed
         with torch.no_grad(), self._running():

@@ -128,21 +128,25 @@ def test_conditional_run_trains_resumes_and_exports(tmp_path):
     snaps = sorted((run / "snapshots").glob("G_ema-*kimg.safetensors"))
     assert snaps and load_generator(snaps[-1]).G.c_dim == 3
 
-    # the studio's CLI: a class index generates; none is an error that lists the classes by name
+    # the studio's CLI: with a class every seed uses it; without one seed s uses class s % 3 (so seed 4 without
+    # a class is seed 4 with class 1); a class out of range is an error that lists the classes by name
     import subprocess
     import sys
 
     from core.settings import ROOT
 
-    def gen(*extra):
+    def gen(out, *extra):
         return subprocess.run([sys.executable, "app.py", "generate", "--backend", "stylegan", "--model",
-                               str(paths["weights"]), "--seeds", "0-1", "--out", str(tmp_path / "g.png"), *extra],
+                               str(paths["weights"]), "--seeds", "3-4", "--out", str(tmp_path / out), *extra],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
-    ok = gen("--class-index", "1")
-    assert ok.returncode == 0, ok.stderr[-500:]
-    assert (tmp_path / "g.png").is_file()
-    missing = gen()
-    assert missing.returncode != 0 and "0 red, 1 green, 2 blue" in missing.stderr
+    for out, extra in (("cls1.npy", ("--class-index", "1")), ("none.npy", ()), ("cls1.png", ("--class-index", "1"))):
+        r = gen(out, *extra)
+        assert r.returncode == 0, r.stderr[-500:]
+    with_class, without = np.load(tmp_path / "cls1.npy"), np.load(tmp_path / "none.npy")
+    assert np.allclose(with_class[1], without[1], atol=1e-5)          # seed 4: 4 % 3 = 1
+    assert not np.allclose(with_class[0], without[0], atol=1e-3)      # seed 3: class 0, not 1
+    bad = gen("bad.png", "--class-index", "3")
+    assert bad.returncode != 0 and "0 red, 1 green, 2 blue" in bad.stderr
 
 
 def test_strip_and_grid_of_a_conditional_model_show_its_classes(tmp_path):
