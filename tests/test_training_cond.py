@@ -173,3 +173,15 @@ def test_strip_and_grid_of_a_conditional_model_show_its_classes(tmp_path):
     assert np.asarray(Image.open(png)).shape[0] == 16
     c = grid_labels(4, 6, 3)
     assert c.argmax(1).tolist() == [2, 3, 0] and grid_labels(0, 0, 3) is None
+
+
+def test_conditional_wgan_gp_runs(tmp_path):
+    """WGAN-GP's gradient penalty calls D on interpolates: a conditional D gets the real images' labels there."""
+    data = write_tiny_dataset(tmp_path, 24, 16)
+    lab = _labels_file(tmp_path, np.arange(24) % 2, "group")
+    run = tmp_path / "w"
+    assert cli.main(["--config", "tiny", "--data", str(data), "--out", str(run), "--device", "cpu", "--no-progress",
+                     "--kimg", "0.016", "--loss", "wgan-gp", "--d-steps", "2", "--cond", "group",
+                     "--labels", str(lab)]) == 0
+    logs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert any(r.get("kind") == "train" and np.isfinite(r["gp"]) for r in logs)

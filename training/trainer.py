@@ -484,7 +484,8 @@ class Trainer:
             self._backward(loss_real.mean(), self.scaler_D)
         if wgan:
             with self._autocast():
-                gp, gp_logits = losses.gradient_penalty(self.D_reg, real_aug, fake_aug)
+                # a conditional D scores the interpolates against the real images' labels
+                gp, gp_logits = losses.gradient_penalty(lambda x: self.D_reg(x, *self._dc(real_c)), real_aug, fake_aug)
             self._backward((gp * cfg.gp_lambda + gp_logits.float().flatten() * 0).mean(), self.scaler_D)
             self.stats[8] += gp.detach().sum()
             self.stats[9] += b
