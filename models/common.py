@@ -26,6 +26,21 @@ def jsonable(value: Any) -> Any:
     raise InputError(f"constructor argument {value!r} of type {type(value).__name__} cannot be saved as JSON")
 
 
+def seed_classes(c_dim: int, seeds) -> list[int]:
+    """The class of each seed when none is chosen: seed s -> s % c_dim (c_dim > 0)."""
+    return [int(s) % c_dim for s in seeds]
+
+
+def seed_class_labels(c_dim: int, seeds, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """One-hot class rows for a class-conditional generator drawn without a chosen class: seed s gets class
+    s % c_dim, so each seed is one reproducible picture and a seed range walks through the classes (the studio,
+    the training grids, the export grid and the snapshot strips all draw this way). None when c_dim is 0."""
+    if not c_dim:
+        return None
+    idx = torch.tensor(seed_classes(c_dim, seeds), dtype=torch.long)
+    return torch.nn.functional.one_hot(idx, c_dim).float().to(device)
+
+
 def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
     """load_state_dict(strict=True) with a ModelLoadError that lists what differs."""
     diff = shape_difference({k: tuple(v.shape) for k, v in module.state_dict().items()},

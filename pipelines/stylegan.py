@@ -16,6 +16,7 @@ from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import Cancelled, InputError
 from core.types import GenerationRequest, GenerationResult, Job, OptimizationFlags, StyleGANParams
 from models import kernels as _kernels
+from models.common import seed_class_labels, seed_classes
 from optim.report import applied, ordered
 from pipelines import switches
 from pipelines.base import image_grid, module_bytes, to_uint8_array, to_uint8_images, uint8_to_images
@@ -78,7 +79,7 @@ class StyleGANPipeline:
         c_dim = self.loaded.G.c_dim
         if c_dim == 0:
             return [None] * len(seeds)
-        return [int(class_index) if class_index is not None else int(s) % c_dim for s in seeds]
+        return [int(class_index)] * len(seeds) if class_index is not None else seed_classes(c_dim, seeds)
 
     def _label(self, class_index: int | None, n: int, seeds: list[int] | None = None) -> torch.Tensor:
         c = torch.zeros([n, self.loaded.G.c_dim], device=self.device)
@@ -86,7 +87,7 @@ class StyleGANPipeline:
             if class_index is not None:
                 c[:, int(class_index)] = 1
             elif seeds is not None:
-                c[torch.arange(n), torch.tensor(self.classes_for(None, seeds))] = 1
+                c = seed_class_labels(self.loaded.G.c_dim, seeds, self.device)
         return c
 
     def _noise_mode(self, mode: str) -> str:

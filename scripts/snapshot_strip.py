@@ -78,9 +78,9 @@ def _render(G, args, device):
     from training.dataset import to_uint8_hwc
 
     z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in range(args.seeds)])
-    c = None
-    if int(getattr(G, "c_dim", 0)):              # a class-conditional model: seed s draws class s % c_dim
-        c = torch.nn.functional.one_hot(torch.arange(args.seeds) % G.c_dim, G.c_dim).float().to(device)
+    from models.common import seed_class_labels
+
+    c = seed_class_labels(int(getattr(G, "c_dim", 0)), range(args.seeds), device)   # conditional: class s % c_dim
     with torch.no_grad():
         img = G(torch.from_numpy(z).float().to(device), c, truncation_psi=args.psi, noise_mode="const")
     return to_uint8_hwc(img.cpu())

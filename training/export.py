@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from core.errors import InputError
+from models.common import seed_class_labels
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.dataset import image_grid, read_dataset_meta, to_uint8_hwc
@@ -43,9 +44,7 @@ def render_seeds(G: torch.nn.Module, seeds: list[int], psi: float = 0.7, batch: 
     for i in range(0, len(seeds), batch):
         part = seeds[i:i + batch]
         z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in part])
-        c = None
-        if int(getattr(G, "c_dim", 0)):          # a conditional model: seed s draws class s % c_dim
-            c = torch.nn.functional.one_hot(torch.tensor(part) % G.c_dim, G.c_dim).float()
+        c = seed_class_labels(int(getattr(G, "c_dim", 0)), part)    # conditional: seed s draws class s % c_dim
         img = G(torch.from_numpy(z).float(), c, truncation_psi=psi, noise_mode="const")
         out.append(to_uint8_hwc(img))
     return np.concatenate(out)

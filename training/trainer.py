@@ -45,6 +45,7 @@ import torch
 from core.errors import InputError
 from models import kernels as _kernels
 from models import ops
+from models.common import seed_class_labels
 from training import checkpoint as ckpt
 from training import distributed as dist_utils
 from training import losses
@@ -113,10 +114,7 @@ def backend_switches(device: torch.device | str, tf32: bool):
 def grid_labels(c_dim: int, start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """One-hot labels for samples start..start+n of a grid: sample i is class i % c_dim (None when unconditional),
     so a conditional model's grid shows its classes in order."""
-    if not c_dim:
-        return None
-    idx = torch.arange(start, start + n, device=device) % c_dim
-    return torch.nn.functional.one_hot(idx, c_dim).float()
+    return seed_class_labels(c_dim, range(start, start + n), device)
 
 
 def resolve_data_path(data: str) -> Path:
