@@ -231,7 +231,7 @@ class Trainer:
                                    world_size=self.dist.world_size, mirror=cfg.mirror, where=cfg.data_device,
                                    labels=labels)
         # fake images get class labels drawn from the data set's own (NVlabs: a random training image's label)
-        self.label_pool = None if labels is None else torch.from_numpy(labels).to(self.device)
+        self.label_pool = self.loader.labels          # the loader's device copy: [num_images] int64, or None
         self.c_eye = torch.eye(cfg.c_dim, device=self.device)
         ref_idx = np.linspace(0, len(images) - 1, num=min(cfg.monitor_samples, len(images))).round().astype(int)
         self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
