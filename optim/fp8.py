@@ -292,20 +292,198 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
         return skipped(f"no linear layer of this UNet is large enough for FP8 (size filter: in and out features "
                        f">= {threshold}); all left as they were", size_filter=threshold, size_filter_from=source)
     cover = _unet_coverage(unet, planned, ctx.device)       # before quantizing: the bf16 layers as they run
-    sel = quantize_linears(unet, threshold)
+    mode = scaling()
+    static_details: dict = {}
+    if mode == "static":
+        sel = planned
+        amax, how = calibrate(target, planned.fp8, ctx.device)
+        done = quantize_linears_static(unet, amax)
+        if len(done) < len(planned.fp8):
+            left = [n for n in planned.fp8 if n not in set(done)]
+            sel = Selection(fp8=done, kept=dict(planned.kept, **{"not called while calibrating": left}))
+        seen = [v for v in amax.values() if v == v]
+        static_details = {"calibration": how, "margin": STATIC_MARGIN,
+                          "input_max_range": [round(min(seen), 4), round(max(seen), 4)] if seen else None}
+    else:
+        sel = quantize_linears(unet, threshold)
     roles = {role: why for role, _, why in KEPT_BY_ROLE}
     kept = {k: {"layers": len(v), "why": roles.get(k, f"in or out features below {threshold}, or not a multiple of 16")}
             for k, v in sel.kept.items()}
     share = cover.get("linear_flops_in_fp8")
-    details = {"component": "unet", "granularity": "per-row", "size_filter": threshold, "size_filter_from": source,
+    details = {"component": "unet", "scaling": mode,
+               "granularity": "per-tensor, static (calibrated once)" if mode == "static" else "per-row, dynamic",
+               "size_filter": threshold, "size_filter_from": source,
                "fp8_layers": len(sel.fp8), "kept_bf16_layers": sel.kept_count, "kept_bf16": kept,
                "activation_scale_lb": ACTIVATION_SCALE_LB,
                "activation_scale": (f"per-row max |x| floored at {ACTIVATION_SCALE_LB:g} before the scale: an all-zero row "
-                                    "(SDXL's empty negative prompt) quantizes to zeros, not 0/0 = NaN"),
+                                    "(SDXL's empty negative prompt) quantizes to zeros, not 0/0 = NaN" if mode == "dynamic" else
+                                    f"{STATIC_MARGIN:g} × the calibrated max |x| per layer, fixed: no per-call reduction, "
+                                    "an all-zero row (SDXL's empty negative prompt) quantizes to zeros and larger inputs "
+                                    "saturate, never NaN"),
+               **static_details,
                "coverage": cover, "layers": sel.fp8, "convolutions": _conv_note(ctx.device),
                "other_components": "text encoders run once per image and the VAE has no large linears: unchanged"}
     if flags.compile == "off":
         details["warning"] = "without --compile FP8 is slower than bf16 (eager per-call quantization); add --compile default"
     covered = f"; they carry {share:.1%} of the UNet's linear FLOPs" if isinstance(share, float) else ""
-    return applied(f"{len(sel.fp8)} UNet linear layers in FP8 (e4m3, per-row scales){covered}; "
+    scales = "one calibrated scale per tensor" if mode == "static" else "per-row scales"
+    return applied(f"{len(sel.fp8)} UNet linear layers in FP8 (e4m3, {scales}){covered}; "
                    f"{sel.kept_count} left as they were (see kept_bf16)", **details)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static scaling: one scale per tensor, calibrated once, the quantization fused into the producer
+
+SCALING_ENV = "ATELIER_FP8_SCALING"
+SCALINGS = ("static", "dynamic")
+E4M3_MAX = 448.0
+# The calibrated max |x| of a layer's input is multiplied by this before it becomes the scale: a prompt
+# that drives an activation higher than the calibration prompts did keeps one binade of headroom before
+# it saturates at ±448 (e4m3 is floating point: the headroom costs no relative precision, only range at
+# the small end, 2^-9 of the max instead of 2^-10).
+STATIC_MARGIN = 2.0
+CALIBRATION_PROMPTS = ("a photograph of an astronaut riding a horse on the moon, highly detailed",
+                       "an oil painting of a red fox in a snowy forest at dusk")
+CALIBRATION_STEPS = 8
+
+
+def scaling(env: dict[str, str] | None = None) -> str:
+    """'static' (default) or 'dynamic' (torchao per-row), from ATELIER_FP8_SCALING."""
+    raw = (os.environ if env is None else env).get(SCALING_ENV, "").strip().lower() or "static"
+    if raw not in SCALINGS:
+        raise InputError(f"{SCALING_ENV} must be one of {', '.join(SCALINGS)}; got {raw!r}")
+    return raw
+
+
+def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.detach().float()
+    scale = (w.abs().amax().clamp(min=ACTIVATION_SCALE_LB) / E4M3_MAX).reshape(())
+    return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous(), scale
+
+
+class StaticFP8Linear(torch.nn.Module):
+    """y = x·Wᵀ + b with x and W in e4m3, one fixed scale each, as one `torch._scaled_mm` (per-tensor scales:
+    cuBLAS's FP8 GEMM on Hopper, no per-call reduction over x).
+
+    The input's quantization is a plain pointwise op (x / s, clamp to ±448, cast) that torch.compile fuses
+    into whatever produced x (a LayerNorm, a GELU, the attention output's reshape): no extra pass over the
+    activation, which is what made the dynamic per-row path slower than bf16. The result comes out in the
+    model's own dtype (fp16 or bf16; fp32 models get the product in fp32 and the bias added after), so an
+    fp16 model needs no dtype boundary. Out-of-range inputs saturate at ±448·s, never inf or NaN; an
+    all-zero row gives the bias."""
+
+    def __init__(self, linear: torch.nn.Linear, input_amax: float, margin: float = STATIC_MARGIN):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        dev = linear.weight.device
+        self.out_dtype = linear.weight.dtype
+        wq, ws = _quantize_weight(linear.weight)
+        x_scale = max(float(input_amax) * margin, ACTIVATION_SCALE_LB) / E4M3_MAX
+        self.register_buffer("weight_fp8", wq)
+        self.register_buffer("weight_scale", ws.to(dev))
+        self.register_buffer("input_scale", torch.tensor(x_scale, dtype=torch.float32, device=dev))
+        self.register_buffer("input_scale_inv", torch.tensor(1.0 / x_scale, dtype=torch.float32, device=dev))
+        b = linear.bias
+        half = self.out_dtype in (torch.float16, torch.bfloat16)
+        self.register_buffer("bias", None if b is None else b.detach().to(self.out_dtype if half else torch.float32))
+        self.input_amax = float(input_amax)
+
+    @property
+    def weight(self):                  # code that peeks at .weight (dtype checks) finds the stored tensor
+        return self.weight_fp8
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-tensor, "
+                f"input max {self.input_amax:.4g}, out {self.out_dtype}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        q = (x2.float() * self.input_scale_inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        half = self.out_dtype in (torch.float16, torch.bfloat16)
+        y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                             bias=self.bias if half else None, out_dtype=self.out_dtype)
+        if not half and self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features).to(x.dtype if not half else self.out_dtype)
+
+
+def _record_amax(module: torch.nn.Module, names: list[str]):
+    """Forward pre-hooks keeping each named layer's running max |input| as a device tensor (no host sync)."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def seen(m, args):
+            a = args[0].detach().abs().amax().float()
+            prev = amax.get(name)
+            amax[name] = a if prev is None else torch.maximum(prev, a)
+        return seen
+
+    handles = [module.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    return amax, handles
+
+
+def calibrate(target: Target, names: list[str], device: torch.device,
+              steps: int = CALIBRATION_STEPS) -> tuple[dict[str, float], dict]:
+    """Max |input| of each named UNet Linear over a real request: the pipeline itself, eager, with two prompts
+    and its empty negative prompt (classifier-free guidance), `steps` denoising steps, latents out (the VAE
+    is not run). A bare UNet (no pipeline given) is probed instead at timesteps across the schedule with the
+    fixed random inputs of optim.prune.unet_probe_inputs. Returns (name -> max, how it was calibrated)."""
+    import time
+
+    unet = target.get("unet")
+    amax, handles = _record_amax(unet, names)
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            how: dict = {}
+            if target.pipe is not None:
+                pipe = target.pipe
+                prev = getattr(pipe, "_progress_bar_config", None)
+                pipe.set_progress_bar_config(disable=True)
+                try:
+                    pipe(prompt=list(CALIBRATION_PROMPTS), num_inference_steps=steps, output_type="latent",
+                         generator=torch.Generator("cpu").manual_seed(0))
+                    how = {"source": "pipeline", "prompts": list(CALIBRATION_PROMPTS), "steps": steps,
+                           "guidance": "the pipeline's default (empty negative prompt)"}
+                except Exception as exc:   # e.g. a pipeline without a tokenizer: calibrate on probe inputs instead
+                    amax.clear()
+                    how = {"pipeline_failed": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
+                finally:
+                    if prev is None:
+                        pipe.__dict__.pop("_progress_bar_config", None)
+                    else:
+                        pipe._progress_bar_config = prev
+            if not how.get("source"):
+                from optim.prune import unet_probe_inputs
+
+                inputs = unet_probe_inputs(unet, device, batch=2)
+                ts = [999, 750, 500, 250, 1][:max(1, steps)]
+                for t in ts:
+                    unet(**dict(inputs, timestep=torch.full((2,), t, dtype=torch.int64, device=device)))
+                how.update(source="probe inputs (fixed random latents and text, no prompt)", timesteps=ts)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [n for n in names if n not in amax]
+    values = torch.stack([amax[n] for n in names if n in amax]).cpu().tolist() if len(missing) < len(names) else []
+    out = dict(zip([n for n in names if n in amax], values))
+    for n in missing:                  # never called in the calibration request: a scale from nothing would be 0
+        out[n] = float("nan")
+    how["seconds"] = round(time.perf_counter() - t0, 2)
+    if missing:
+        how["never_called"] = len(missing)
+    return out, how
+
+
+def quantize_linears_static(module: torch.nn.Module, amax: dict[str, float],
+                            margin: float = STATIC_MARGIN) -> list[str]:
+    """Swap each Linear named in `amax` for a StaticFP8Linear with that input max. A layer whose max is not a
+    finite number (not seen during calibration) is left as it was. Returns the names swapped."""
+    done = []
+    for name, a in amax.items():
+        if not (a == a) or a in (float("inf"), float("-inf")):
+            continue
+        _swap(module, name, StaticFP8Linear(module.get_submodule(name), a, margin))
+        done.append(name)
+    return done

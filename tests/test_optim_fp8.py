@@ -377,3 +377,176 @@ def test_gpu_fp8_stylegan_is_unsupported_with_reason(testdata):
         pytest.skip(fp8.unavailable_reason(cuda))
     _, report = prepared(testdata, "sg2_uncond_32", Flags(fp8=True), device=cuda)
     assert report["fp8"]["applied"] is False and "modulated" in report["fp8"]["reason"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Static per-tensor scaling (the default): calibrated once, quantization fused into the producer
+
+
+def _static_layer(dtype, amax=None, seed=0):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(64, 48).to(dtype).eval().requires_grad_(False)
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_static_fp8_linear_matches_the_layer_in_the_models_dtype(dtype):
+    lin = _static_layer(dtype)
+    x = torch.randn(3, 7, 64).to(dtype)
+    amax = float(x.float().abs().max())
+    q = fp8.StaticFP8Linear(lin, amax)
+    assert q.weight_fp8.dtype == torch.float8_e4m3fn and q.weight_scale.shape == () and q.input_scale.shape == ()
+    assert q.input_scale.item() == pytest.approx(fp8.STATIC_MARGIN * amax / fp8.E4M3_MAX, rel=1e-6)
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+        out = q(x)
+    assert out.dtype == dtype and out.shape == (3, 7, 48)
+    assert 0.005 < rel_err(ref, out) < 0.08               # FP8 really ran (3 mantissa bits), and stays close
+
+
+def test_static_fp8_zero_rows_give_the_bias_and_large_inputs_saturate():
+    lin = _static_layer(torch.bfloat16)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    q = fp8.StaticFP8Linear(lin, float(x.float().abs().max()))
+    x[1] = 0
+    with torch.no_grad():
+        out = q(x)
+        assert torch.equal(out[1], lin.bias.expand(5, -1))
+        # 1000× the calibrated range: clamped at ±448·scale before the cast, so finite (e4m3 has no inf;
+        # an unclamped overflow would be NaN)
+        big = q(x * 1000)
+    assert torch.isfinite(out).all() and torch.isfinite(big).all()
+    # never calibrated (max 0): the scale is floored, not 0, and the layer still gives finite numbers
+    z = fp8.StaticFP8Linear(lin, 0.0)
+    assert z.input_scale.item() > 0 and torch.isfinite(z(x)).all()
+
+
+def test_scaling_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    assert fp8.scaling() == "static"
+    assert fp8.scaling({fp8.SCALING_ENV: " Dynamic "}) == "dynamic"
+    with pytest.raises(InputError, match="static, dynamic") as info:
+        fp8.scaling({fp8.SCALING_ENV: "per-row"})
+    assert fp8.SCALING_ENV in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_static_fp8_unet_traces_to_one_graph_with_the_scaled_mm(dtype):
+    """No graph break, the FP8 products in the graph, nothing that syncs with the host (CUDA graphs need
+    that), and zero text (SDXL's empty negative prompt) stays finite."""
+    from torch._dynamo.backends.common import aot_autograd
+    from optim.targets import resolve
+
+    unet = _tiny_unet(dtype, text_time=True)
+    sel = fp8.select(unet, min_features=64)
+    amax, how = fp8.calibrate(resolve(unet, "diffusion"), sel.fp8, CPU, steps=2)
+    assert how["source"].startswith("probe") and how["timesteps"] == [999, 750]
+    assert set(amax) == set(sel.fp8) and all(v > 0 for v in amax.values())
+    done = fp8.quantize_linears_static(unet, amax)
+    assert done == sel.fp8 and all(isinstance(unet.get_submodule(n), fp8.StaticFP8Linear) for n in done)
+    text = torch.randn(2, 77, 64)
+    text[1] = 0
+    inputs = _unet_inputs(unet, text)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = unet(**inputs).sample
+        explained = torch._dynamo.explain(unet)(**inputs)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        torch._dynamo.reset()
+        compiled = torch.compile(unet, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(**inputs).sample
+    torch._dynamo.reset()
+    assert eager.dtype == dtype and torch.isfinite(eager).all() and torch.isfinite(compiled).all()
+    assert rel_err(eager, compiled) < 2e-2
+    ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count("aten._scaled_mm.default") == len(done)
+    assert not set(ops) & {"aten._local_scalar_dense.default", "aten.lift_fresh_copy.default"}
+
+
+def test_static_fp8_calibrates_on_a_real_pipeline_request(tiny_sd_sdxl, monkeypatch, tmp_path):
+    """apply() on a real (tiny) SDXL pipeline: the calibration runs the pipeline itself with prompts and its
+    empty negative prompt; the FP8 pipeline's latents stay close to the unquantized ones for the same seed."""
+    from diffusers import StableDiffusionXLPipeline
+    from optim.targets import Context, resolve
+
+    monkeypatch.setattr(fp8, "unavailable_reason", lambda device: None)    # the GPU gate alone
+    monkeypatch.setenv(fp8.MIN_FEATURES_ENV, "32")
+    monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sd_sdxl["sdxl"]))
+    pipe.set_progress_bar_config(disable=True)
+
+    def run():
+        return pipe(prompt="a red fox", num_inference_steps=4, output_type="latent",
+                    generator=torch.Generator().manual_seed(3)).images
+
+    ref = run()
+    r = fp8.apply(resolve(pipe, "diffusion"), Flags(fp8=True, compile="default"), Context(device=CPU, cache_dir=tmp_path))
+    assert r["applied"] and r["scaling"] == "static" and "calibrated" in r["granularity"]
+    cal = r["calibration"]
+    assert cal["source"] == "pipeline" and cal["prompts"] == list(fp8.CALIBRATION_PROMPTS) and cal["steps"] == 8
+    assert 0 < r["input_max_range"][0] <= r["input_max_range"][1]
+    swapped = [n for n, m in pipe.unet.named_modules() if isinstance(m, fp8.StaticFP8Linear)]
+    assert sorted(swapped) == sorted(r["layers"]) and len(swapped) == r["fp8_layers"] > 0
+    assert not any(fp8.kept_role(n) for n in swapped)      # cross-attention K/V and time embeddings stay
+    out = run()
+    assert torch.isfinite(out).all() and 0 < rel_err(ref, out) < 0.1
+
+
+def test_dynamic_scaling_is_still_torchao_per_row(torchao_fp8_anywhere, monkeypatch, tmp_path):
+    from torchao.quantization import Float8Tensor
+    from optim.targets import Context, resolve
+
+    monkeypatch.setattr(fp8, "unavailable_reason", lambda device: None)
+    monkeypatch.setenv(fp8.MIN_FEATURES_ENV, "64")
+    monkeypatch.setenv(fp8.SCALING_ENV, "dynamic")
+    unet = _tiny_unet(torch.bfloat16)
+    r = fp8.apply(resolve(unet, "diffusion"), Flags(precision="bf16", fp8=True, compile="default"),
+                  Context(device=CPU, cache_dir=tmp_path))
+    assert r["applied"] and r["scaling"] == "dynamic" and "calibration" not in r and "per-row" in r["reason"]
+    assert all(isinstance(unet.get_submodule(n).weight, Float8Tensor) for n in r["layers"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_static_fp8_unet_under_cuda_graphs(tmp_path, monkeypatch, dtype):
+    """The default FP8 path on the real kernels: an fp16 (SD1.5's best) or bf16 UNet, calibrated, compiled by
+    inductor with CUDA graphs (no skipped capture), close to the unquantized UNet, finite on zero text."""
+    from torch._dynamo.utils import counters
+    from optim.prune import unet_probe_inputs
+
+    cuda = torch.device("cuda")
+    if fp8.unavailable_reason(cuda):
+        pytest.skip(fp8.unavailable_reason(cuda))
+    monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    ref_unet = _big_unet().to(cuda, dtype)
+    inputs = unet_probe_inputs(ref_unet, cuda, batch=2)
+    with torch.no_grad():
+        ref = ref_unet(**inputs).sample.float()
+    del ref_unet
+    torch._dynamo.reset()
+    skips = int(counters["inductor"]["cudagraph_skips"])
+    unet, report = optim.prepare(_big_unet().to(cuda, dtype), Flags(precision="fp16" if dtype == torch.float16 else "bf16",
+                                                                    fp8=True, compile="reduce-overhead"),
+                                 cuda, kind="diffusion", cache_dir=tmp_path)
+    r = report["fp8"]
+    assert r["applied"] and r["scaling"] == "static", r
+    assert sum(isinstance(m, fp8.StaticFP8Linear) for m in _modules(unet)) == r["fp8_layers"] > 0
+    with torch.no_grad():
+        for _ in range(3):                                 # warm-up, record, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            out = unet(**inputs).sample.float()
+        zero_text = dict(inputs, encoder_hidden_states=torch.zeros_like(inputs["encoder_hidden_states"]))
+        torch.compiler.cudagraph_mark_step_begin()
+        assert torch.isfinite(unet(**zero_text).sample).all()
+    assert int(counters["inductor"]["cudagraph_skips"]) == skips
+    assert out.dtype == torch.float32 and rel_err(ref, out) < 0.15
+
+
+def _modules(m):
+    inner = getattr(m, "_orig_mod", m)
+    return inner.modules()
