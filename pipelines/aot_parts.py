@@ -127,7 +127,10 @@ class AotParts:
             else:
                 entry["loaded_from_cache"] = True
             t1 = time.perf_counter()
-            compiled = torch._inductor.aoti_load_package(str(path))
+            # run_single_threaded: without it every call after the first asks the CUDA driver whether the last
+            # one finished (cudaEventQuery on the container's own event), which is illegal while the request
+            # graph records: "operation not permitted when stream is capturing" (H200, 2026-12-03)
+            compiled = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
             wanted = set(compiled.get_constant_fqns())
             # parameters and every buffer, non-persistent ones too (CLIP's position ids are not in a state dict);
             # check_full_update: a constant left unset is an error here, not a crash in the first call
