@@ -1,9 +1,16 @@
-"""FP8 (Ada / Hopper): torchao float8 dynamic activation + weight quantization of the large linear layers.
+"""FP8 (Ada / Hopper): the large linear layers of a diffusion UNet as e4m3 matrix products.
 
-Each selected nn.Linear gets an FP8 (e4m3) weight with one scale per output row, and at
-run time its input is quantized to FP8 with one scale per row too; the product runs on FP8
-tensor cores (`torch._scaled_mm`, 1449 TFLOP/s on the H200 vs 788 for bf16) and comes out
-in bf16.
+Two scalings (ATELIER_FP8_SCALING):
+- static (default): each selected Linear's input range is measured once, on a real request through the
+  pipeline (two prompts, their empty negative prompt, 8 steps; `calibrate`), and fixed: scale = 2 × max |x| /
+  448. The layer becomes a StaticFP8Linear: the input's quantization is one pointwise op (x / s, clamp,
+  cast) that torch.compile fuses into whatever produced x, and the product is one cuBLAS FP8 GEMM with
+  per-tensor scales (`torch._scaled_mm`), in the model's own dtype (fp16 or bf16). On the H200 it made
+  SDXL 6 % faster than bf16 `best` (922 against 982 ms, 37.8 dB from fp32; run
+  docs/benchmarks/runs/2026-12-03-d-8d45d28-sdxl-fp8static.jsonl).
+- dynamic: torchao's float8 with one scale per row of the input, computed every call (an abs-max
+  reduction, a scale and a cast per layer call). Measured slower than bf16 on the H200 (SDXL 1050 against
+  991 ms, SD1.5 351 against 343), kept as the A/B reference.
 
 It pays only under torch.compile and on large matrix products (shared/GPU.md: a 4096² MLP is
 2× slower than bf16 eagerly, 1.1× faster compiled), so what is quantized is chosen twice:
@@ -11,16 +18,15 @@ It pays only under torch.compile and on large matrix products (shared/GPU.md: a 
   cross-attention K/V project the 77 text tokens only, and the time / added-condition
   embeddings see one row per image;
 - by size: a layer with fewer than `min_features()` input or output features stays bf16
-  (FP8_MIN_FEATURES, or ATELIER_FP8_MIN_FEATURES so a GPU run can compare thresholds).
+  (640 static, 1024 dynamic, or ATELIER_FP8_MIN_FEATURES so a GPU run can compare thresholds).
 Without --compile the report warns that FP8 will be slower. The report also says how much
 of the UNet's work FP8 covers (`coverage`): FP8 can only speed up that share.
 
-Never NaN: a row's scale is its largest |value| / 448, so an all-zero row would divide 0 by 0.
-SDXL's empty negative prompt is exactly zeros (`force_zeros_for_empty_prompt`), and every
-cross-attention K/V of that half of the CFG batch saw such rows: NaN latents on the H200.
-The row maximum is floored at ACTIVATION_SCALE_LB (torchao's `activation_value_lb`), so a
-zero row quantizes to zeros and the layer returns its bias, as in bf16. Keeping cross-attention
-K/V in bf16 removes the case where it happened, the floor removes it everywhere else.
+Never NaN: SDXL's empty negative prompt is exactly zeros (`force_zeros_for_empty_prompt`), and with
+torchao's per-row scale (max |row| / 448) an all-zero row divided 0 by 0: NaN latents on the H200. The
+dynamic path floors the row maximum at ACTIVATION_SCALE_LB (torchao's `activation_value_lb`); the static
+path's scales are fixed positive numbers, and inputs beyond the calibrated range saturate at ±448·s
+(clamped before the cast: e4m3 has no infinity, an unclamped overflow would be NaN).
 
 Convolutions: torchao's FP8 convolution needs compute capability 10.0 (Blackwell) and the
 mslk kernels package; elsewhere they stay in bf16, and the report says why.
@@ -29,11 +35,10 @@ StyleGAN is not quantized: its convolutions are modulated (weights rebuilt per s
 there is no fixed weight to store in FP8) and its dense layers are 512 wide at most.
 
 Under torch.compile the quantized layers trace into the UNet's one graph (no graph break:
-tests hold it with fullgraph=True): torchao's tensor subclass is dispatched by AOTAutograd,
-the activation scales are device tensors (no .item(), no host sync), so CUDA graphs
-(reduce-overhead) capture it too. In a bf16 UNet a quantized Linear is left as it is (its
-weight becomes the FP8 tensor); in any other dtype it sits behind FP8Linear, which casts to
-bf16 and back (torchao's per-row scaling needs bf16) and turns autocast off only where it is on.
+tests hold it with fullgraph=True), and nothing in them syncs with the host (the scales are device
+tensors), so CUDA graphs (reduce-overhead) capture them too. Dynamic path: in a bf16 UNet a quantized
+Linear is left as it is (its weight becomes torchao's FP8 tensor); in any other dtype it sits behind
+FP8Linear, which casts to bf16 and back and turns autocast off only where it is on.
 """
 from __future__ import annotations
 
@@ -57,6 +62,12 @@ from optim.targets import Context, Target
 # whatever the width: tokens × width² is constant (4096×320² = 1024×640² = 256×1280²), so a 640 filter
 # adds products of the same size with half the N. ATELIER_FP8_MIN_FEATURES=640 / 320 lets a GPU run measure it.
 FP8_MIN_FEATURES = 1024
+# Static scaling (the default, below) has no per-call pass over the input: torch.compile fuses the cast into the
+# producer, so the argument above does not hold and narrower layers can gain. Measured on the H200 (2026-12-03,
+# docs/benchmarks/runs/2026-12-03-d-8d45d28-sdxl-fp8static.jsonl): SDXL with every linear >= 640 in FP8
+# (98.8 % of its linear FLOPs) 922 ms against bf16 best 982. SD1.5 with every linear >= 320 tied (341 / 341 ms,
+# run e): its layers are 320-1280 wide at 256-4096 tokens, GEMMs too small for FP8 to gain.
+FP8_MIN_FEATURES_STATIC = 640
 MIN_FEATURES_ENV = "ATELIER_FP8_MIN_FEATURES"
 # A row's max |value| is floored here before the scale (max / 448) is taken: an all-zero row then
 # quantizes to zeros instead of 0/0 = NaN. 1e-12 is torchao's own floor for float8 training
@@ -88,10 +99,11 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 
 def min_features(env: dict[str, str] | None = None) -> int:
-    """The size filter: FP8_MIN_FEATURES, or ATELIER_FP8_MIN_FEATURES when set (read per call, not at import)."""
+    """The size filter: ATELIER_FP8_MIN_FEATURES when set (read per call, not at import), else
+    FP8_MIN_FEATURES_STATIC with static scaling (the default) and FP8_MIN_FEATURES with dynamic scaling."""
     raw = (os.environ if env is None else env).get(MIN_FEATURES_ENV, "").strip()
     if not raw:
-        return FP8_MIN_FEATURES
+        return FP8_MIN_FEATURES_STATIC if scaling(env) == "static" else FP8_MIN_FEATURES
     try:
         n = int(raw)
     except ValueError:

@@ -157,8 +157,9 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
     out["compile"] = (cr is None, cr or ("default; reduce-overhead (CUDA graphs)" if cuda
                                          else "default (CUDA graphs need a GPU)"))
     fr = _fp8.unavailable_reason(dev)
-    out["fp8"] = (fr is None, fr or f"torchao float8 on UNet linear layers >= {_fp8.min_features()} features "
-                                    "(diffusion; cross-attention K/V and time embeddings stay bf16)")
+    out["fp8"] = (fr is None, fr or f"e4m3 UNet linear layers >= {_fp8.min_features()} features, "
+                                    f"{_fp8.scaling()} scaling (diffusion; cross-attention K/V and time embeddings "
+                                    "stay bf16)")
     out["fuse_qkv"] = (True, "one Q/K/V (cross-attention: K/V) projection per UNet / VAE attention layer "
                              "(diffusion, SDPA attention)")
     rr = _request_graph.unavailable_reason(dev)

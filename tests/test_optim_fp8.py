@@ -116,7 +116,9 @@ def test_a_bf16_model_keeps_plain_linears(torchao_fp8_anywhere):
 
 def test_min_features_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(fp8.MIN_FEATURES_ENV, raising=False)
-    assert fp8.min_features() == fp8.FP8_MIN_FEATURES == 1024
+    monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    assert fp8.min_features() == fp8.FP8_MIN_FEATURES_STATIC == 640        # static scaling, the default
+    assert fp8.min_features({fp8.SCALING_ENV: "dynamic"}) == fp8.FP8_MIN_FEATURES == 1024
     monkeypatch.setenv(fp8.MIN_FEATURES_ENV, " 640 ")
     assert fp8.min_features() == 640
     assert fp8.min_features({fp8.MIN_FEATURES_ENV: "320"}) == 320
@@ -261,7 +263,7 @@ def test_apply_reports_what_is_fp8_what_is_kept_and_why(torchao_fp8_anywhere, mo
     monkeypatch.delenv(fp8.MIN_FEATURES_ENV)
     r = fp8.apply(resolve(_tiny_unet(torch.bfloat16), "diffusion"), Flags(precision="bf16", fp8=True),
                   Context(device=CPU, cache_dir=tmp_path))
-    assert not r["applied"] and ">= 1024" in r["reason"] and r["size_filter_from"] == "default"
+    assert not r["applied"] and f">= {fp8.min_features()}" in r["reason"] and r["size_filter_from"] == "default"
 
 
 def _big_unet():
