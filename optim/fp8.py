@@ -308,6 +308,8 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
     static_details: dict = {}
     if mode == "static":
         sel = planned
+        if ctx.on_status is not None:
+            ctx.on_status(f"calibrating FP8 scales ({len(planned.fp8)} layers, one short request)")
         amax, how = calibrate(target, planned.fp8, ctx.device)
         done = quantize_linears_static(unet, amax)
         if len(done) < len(planned.fp8):

@@ -2,7 +2,7 @@
 # Issue 10's H200 runs, one part or several per device call: bash scripts/h200_diffusion.sh PART...
 #   turbo   bench sd-turbo-512 at batch 1: fp32 (drift reference), baseline, best
 #   sd15    bench sd15-512 at batch 1: fp32, baseline, best
-#   warm-W  bench workload W's best again, in a new process on the compile cache the part before filled:
+#   warm-W  (W a workload name: warm-sd15-512, warm-sd-turbo-512) bench workload W's best again, in a new process on the compile cache the part before filled:
 #           its prepare_s + first_call_s is the time to a first image on a second start (WARM_CONFIGS: others;
 #           with ATELIER_REQUEST_GRAPH_AOT=1 exported for both parts, a request graph's parts are AOTInductor
 #           packages, loaded without tracing on the second start)
@@ -33,7 +33,7 @@ for part in "$@"; do
             share_ref $w "$OUT/warm-$w"
             timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" --profile none --out "$OUT/warm-$w" ;;
     sdxl) timeout ${SDXL_TIMEOUT:-560} $BENCH --workload sdxl-1024 --repeats ${SDXL_REPEATS:-3} \
-            --configs "${SDXL_CONFIGS:-baseline,best,best-fp8}" --out "$OUT/sdxl" ;;
+            --configs "${SDXL_CONFIGS:-baseline,best,best-fp8}" --profile "${SDXL_PROFILE:-best}" --out "$OUT/sdxl" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"
          for f in ${FP8_FILTERS:-640 320}; do
            ATELIER_FP8_MIN_FEATURES=$f timeout ${FP8_TIMEOUT:-200} $BENCH --workload sd15-512 --profile none \
