@@ -185,3 +185,79 @@ def test_conditional_wgan_gp_runs(tmp_path):
                      "--labels", str(lab)]) == 0
     logs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
     assert any(r.get("kind") == "train" and np.isfinite(r["gp"]) for r in logs)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVlabs' dataset.json (what their dataset_tool writes into a folder or .zip)
+
+
+def _nvlabs_folder(root, n=12, res=16, as_zip=False, labels_of=None):
+    """PNGs under 00000/ as dataset_tool names them, each filled with its class's colour, and dataset.json
+    listing [name, class] in reverse order (matching must go by name, not position)."""
+    import zipfile
+    from PIL import Image
+
+    labels_of = labels_of or (lambda i: i % 3)
+    folder = root / "nvlabs"
+    (folder / "00000").mkdir(parents=True)
+    entries = []
+    for i in range(n):
+        name = f"00000/img{i:08d}.png"
+        c = labels_of(i)
+        Image.new("RGB", (res, res), (80 * c if isinstance(c, int) else 0, 0, 0)).save(folder / name)
+        entries.append([name, c])
+    (folder / "dataset.json").write_text(json.dumps({"labels": entries[::-1]}))
+    if not as_zip:
+        return folder
+    z = root / "nvlabs.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                zf.write(f, f.relative_to(folder).as_posix())
+    return z
+
+
+@pytest.mark.parametrize("as_zip", [False, True], ids=["folder", "zip"])
+def test_nvlabs_dataset_json_is_matched_to_the_images_by_name(tmp_path, as_zip):
+    from training.dataset import image_names, load_images, nvlabs_labels_source
+
+    data = _nvlabs_folder(tmp_path, as_zip=as_zip)
+    source = nvlabs_labels_source(data)
+    assert source == (f"{data}!dataset.json" if as_zip else str(data / "dataset.json"))
+    names = image_names(data)
+    images, _ = load_images(data)
+    labels, class_names = load_labels(source, "anything", len(images), names=names)
+    assert class_names == ["0", "1", "2"] and labels.tolist() == [i % 3 for i in range(12)]
+    # each image's red channel says its class: the labels belong to the pixels they were written for
+    assert np.array_equal(images[:, 0, 0, 0] // 80, labels)
+
+
+@pytest.mark.parametrize("doc, names, msg", [
+    ({"labels": None}, ["a.png"], "unlabeled"),
+    ({"labels": [["a.png", 0], ["b.png", 1]]}, ["a.png", "b.png", "c.png"], "no label for 1 of the 3 images, e.g. 'c.png'"),
+    ({"labels": [["a.png", [0.5, 0.5]], ["b.png", [1.0, 0.0]]]}, ["a.png", "b.png"], "label vector"),
+    ({"labels": [["a.png", 0], ["b.png", 0]]}, ["a.png", "b.png"], "a single class"),
+    ({"labels": [["a.png", 0], ["b.png", 1]]}, None, "an array data set has none"),
+    ({"labels": [["a.png", 0], "b.png"]}, ["a.png"], r"\[file name, class index\]"),
+])
+def test_bad_nvlabs_labels_are_clear_errors(tmp_path, doc, names, msg):
+    path = tmp_path / "dataset.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=msg):
+        load_labels(path, "group", len(names or [0, 0]), names=names)
+
+
+def test_cond_without_labels_trains_on_the_data_sets_own_dataset_json(tmp_path):
+    """NVlabs users' habit: --cond with the labels inside the data set; no --labels needed."""
+    data = _nvlabs_folder(tmp_path, n=16)
+    run = tmp_path / "run"
+    assert cli.main(["--config", "tiny", "--data", str(data), "--out", str(run), "--device", "cpu", "--no-progress",
+                     "--cond", "label", "--kimg", "0.016"]) == 0
+    doc, _ = ckpt.load_checkpoint(run)
+    assert TrainConfig.from_dict(doc["config"]).c_dim == 3
+    assert doc["classes"] == {"key": "label", "names": ["0", "1", "2"]}
+    # without dataset.json and without --labels: refused before training, naming both ways out
+    (data / "dataset.json").unlink()
+    with pytest.raises(InputError, match="dataset.json inside the data folder"):
+        from training.config import validate
+        validate(TrainConfig(data=str(data), cond="label"))

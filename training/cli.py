@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
            "emoji64: group (10 Unicode groups) or class (98 subgroups)")
     a("--labels", default=None, metavar="FILE",
       help="JSON with a list of class indices per image under the --cond key (and the class names under its "
-           "plural); emoji64's default: assets/datasets/emoji64_labels.json")
+           "plural), or NVlabs' dataset.json; without it, the data folder's or .zip's own dataset.json; "
+           "emoji64's default: assets/datasets/emoji64_labels.json")
     a("--kernels", default=None,
       help="op formulations: auto (the measured fastest on CUDA: conv gradfix, folded up/down convs, separable "
            "FIR; the reference on the CPU), reference, or knob:choice pairs joined by '/', e.g. "

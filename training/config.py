@@ -274,8 +274,13 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.cmax <= 4096 and cfg.cbase <= 2**20,
          f"--cmax {cfg.cmax} / --cbase {cfg.cbase} are beyond any StyleGAN configuration (cmax <= 4096)")
     need(cfg.kimg > 0, f"--kimg must be positive; got {cfg.kimg}")
-    need(not cfg.cond or bool(cfg.labels),
-         f"--cond {cfg.cond} needs --labels FILE: a JSON with a list of per-image class indices under {cfg.cond!r}")
+    if cfg.cond and not cfg.labels:
+        from training.dataset import nvlabs_labels_source
+        from training.trainer import resolve_data_path
+
+        need(bool(cfg.data) and nvlabs_labels_source(resolve_data_path(cfg.data)) is not None,
+             f"--cond {cfg.cond} needs labels: --labels FILE (a JSON with a list of per-image class indices under "
+             f"{cfg.cond!r}), or NVlabs' dataset.json inside the data folder or .zip")
     need(cfg.arch == "stylegan2" or not cfg.cond, "class-conditional training (--cond) is for StyleGAN2 networks")
     need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")
     need(1 <= cfg.d_steps <= 10, f"the D:G ratio (--d-steps) must be 1..10; got {cfg.d_steps}")

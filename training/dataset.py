@@ -203,19 +203,106 @@ def load_images(path: str | Path, resolution: int = 0,
     return arr, DatasetInfo(str(path), len(arr), resolution, 3, "pillow", str(cache) if cache else None)
 
 
-def load_labels(path: str | Path, key: str, count: int) -> tuple[np.ndarray, list[str]]:
-    """Per-image class indices (int64 [count], in the data set's image order) and the class names.
+NVLABS_LABELS = "dataset.json"
 
-    The file is JSON with a list of `count` whole numbers under `key` and, optionally, the class names
-    under its plural (`classes` for `class`, `groups` for `group`): assets/datasets/emoji64_labels.json
-    has both for `group` (10 Unicode groups) and `class` (98 subgroups)."""
+
+def image_names(path: str | Path) -> list[str] | None:
+    """The image names of a folder or .zip data set, in the order load_images decodes them (relative paths
+    with '/'), or None for an array file (its images have no names)."""
+    path = Path(path)
+    if path.is_dir():
+        return [f.relative_to(path).as_posix() for f in _list_folder(path)]
+    if path.is_file() and path.suffix.lower() == ".zip":
+        try:
+            with zipfile.ZipFile(path) as zf:
+                return sorted(n for n in zf.namelist() if Path(n).suffix.lower() in IMAGE_SUFFIXES)
+        except zipfile.BadZipFile as exc:
+            raise InputError(f"{path.name} is not a readable zip file: {exc}") from None
+    return None
+
+
+def nvlabs_labels_source(data: str | Path) -> str | None:
+    """Where the data set keeps NVlabs' dataset.json (a folder's file, or the member at a .zip's root), or None."""
+    data = Path(data)
+    if data.is_dir():
+        return str(data / NVLABS_LABELS) if (data / NVLABS_LABELS).is_file() else None
+    if data.is_file() and data.suffix.lower() == ".zip":
+        try:
+            with zipfile.ZipFile(data) as zf:
+                return f"{data}!{NVLABS_LABELS}" if NVLABS_LABELS in zf.namelist() else None
+        except zipfile.BadZipFile:
+            return None
+    return None
+
+
+def _read_labels_doc(path: str | Path):
+    """JSON from a file, or from a zip member written 'archive.zip!member'."""
+    text = str(path)
+    if "!" in text and text.split("!", 1)[0].lower().endswith(".zip"):
+        archive, member = text.split("!", 1)
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                return json.loads(zf.read(member))
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+            raise InputError(f"cannot read {member} in {archive}: {exc}") from None
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise InputError(f"the labels file {path} does not exist; give --labels FILE (a JSON file)") from None
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read the labels file {path}: {exc}") from None
+
+
+def _nvlabs_labels(doc: dict, path, names: list[str] | None) -> tuple[np.ndarray, list[str]]:
+    """NVlabs' dataset.json: {"labels": [[file name relative to the data set, class index], ...]}, matched to
+    the images by name (its order need not be ours)."""
+    raw = doc["labels"]
+    if raw is None:
+        raise InputError(f"{path} has \"labels\": null (NVlabs' way of saying the data set is unlabeled); "
+                         "train without --cond, or give per-image class indices")
+    if names is None:
+        raise InputError(f"{path} labels images by file name, and an array data set has none; "
+                         "give --labels FILE with a list of class indices in the array's order")
+    by_name: dict[str, object] = {}
+    for item in raw:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+            raise InputError(f"{path}: every entry of \"labels\" must be [file name, class index]; found {item!r}")
+        by_name[item[0].replace("\\", "/")] = item[1]
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise InputError(f"{path} has no label for {len(missing)} of the {len(names)} images, e.g. {missing[0]!r}")
+    values = [by_name[n] for n in names]
+    bad = next((v for v in values if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0)), None)
+    if bad is not None:
+        what = "a label vector" if isinstance(bad, list) else repr(bad)
+        raise InputError(f"{path}: found {what}; class-conditional training here takes one class index (a whole "
+                         "number >= 0) per image, not NVlabs' float label vectors")
+    labels = np.asarray(values, dtype=np.int64)
+    n_classes = int(labels.max()) + 1
+    if n_classes < 2:
+        raise InputError(f"{path} has a single class: conditional training needs at least 2")
+    return labels, [str(i) for i in range(n_classes)]
+
+
+def load_labels(path: str | Path, key: str, count: int,
+                names: list[str] | None = None) -> tuple[np.ndarray, list[str]]:
+    """Per-image class indices (int64 [count], in the data set's image order) and the class names.
+
+    Two formats:
+    - Atelier's: JSON with a list of `count` whole numbers under `key` and, optionally, the class names
+      under its plural (`classes` for `class`, `groups` for `group`): assets/datasets/emoji64_labels.json
+      has both for `group` (10 Unicode groups) and `class` (98 subgroups);
+    - NVlabs' dataset.json (`{"labels": [["00000/img00000000.png", 6], ...]}`, as their dataset_tool
+      writes it), matched to the images by `names` (image_names of the data set) whatever `key` is.
+    `path` may name a zip member as 'archive.zip!dataset.json'."""
+    doc = _read_labels_doc(path)
+    if isinstance(doc, dict) and "labels" in doc and (doc["labels"] is None or (
+            isinstance(doc["labels"], list) and doc["labels"] and isinstance(doc["labels"][0], (list, tuple)))):
+        labels, class_names = _nvlabs_labels(doc, path, names)
+        if len(labels) != count:
+            raise InputError(f"{path} labels {len(labels)} images; the data set has {count}")
+        return labels, class_names
     if not isinstance(doc, dict) or key not in doc:
         keys = ", ".join(k for k, v in (doc.items() if isinstance(doc, dict) else []) if isinstance(v, list))
         raise InputError(f"{path} has no per-image labels under {key!r}; lists in it: {keys or 'none'}")

@@ -51,7 +51,8 @@ from training import distributed as dist_utils
 from training import losses
 from training.augment import AdaController, AugmentPipe, leak_prone_ops
 from training.config import TrainConfig, finalize
-from training.dataset import ImageBatches, _mix, image_grid, load_images, load_labels, to_float, to_uint8_hwc
+from training.dataset import (ImageBatches, _mix, image_grid, image_names, load_images, load_labels, to_float,
+                              to_uint8_hwc)
 from training.monitor import CollapseMonitor
 
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
@@ -128,6 +129,20 @@ def resolve_data_path(data: str) -> Path:
         if (ROOT / p).exists():
             return ROOT / p
     return p
+
+
+def labels_source(cfg) -> str:
+    """Where a conditional run reads its labels: --labels, else the data set's own NVlabs dataset.json."""
+    if cfg.labels:
+        text = str(cfg.labels)
+        return text if "!" in text else str(resolve_data_path(text))
+    from training.dataset import nvlabs_labels_source
+
+    found = nvlabs_labels_source(resolve_data_path(cfg.data)) if cfg.data else None
+    if found is None:
+        raise InputError(f"--cond {cfg.cond} needs labels: --labels FILE (a JSON with a list of per-image class "
+                         f"indices under {cfg.cond!r}), or NVlabs' dataset.json inside the data folder or .zip")
+    return found
 
 
 def param_count(m: torch.nn.Module) -> int:
@@ -218,7 +233,9 @@ class Trainer:
         cfg = finalize(cfg, info.resolution, self.dist.world_size)
         labels, self.class_names = None, []
         if cfg.cond:
-            labels, self.class_names = load_labels(resolve_data_path(cfg.labels), cfg.cond, len(images))
+            source = labels_source(cfg)
+            names = image_names(resolve_data_path(cfg.data)) if data is None else None
+            labels, self.class_names = load_labels(source, cfg.cond, len(images), names=names)
             if resume_doc is not None and cfg.c_dim != len(self.class_names):
                 raise InputError(f"the checkpoint's networks have {cfg.c_dim} classes, but {cfg.labels} has "
                                  f"{len(self.class_names)} under {cfg.cond!r}; resume with the run's own labels")
