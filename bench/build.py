@@ -219,3 +219,26 @@ def parameter_counts(pipe_or_module) -> dict[str, int]:
         return {"generator": sum(p.numel() for p in pipe_or_module.parameters())}
     return {name: sum(p.numel() for p in m.parameters()) for name, m in pipe_or_module.components.items()
             if isinstance(m, torch.nn.Module)}
+
+
+def save_random_diffusion(workload: Workload, out: Path, device: torch.device, seed: int = 0,
+                          dtype: torch.dtype = torch.float16) -> dict:
+    """Write the workload's random-weight pipeline (the one every bench row of `seed` builds) as a diffusers
+    folder of safetensors, so that `bench --weights FOLDER` loads it from disk the way a real model loads:
+    the time to a first image on a second start then includes reading weights, not drawing them."""
+    import time
+
+    if workload.kind != "diffusion":
+        raise InputError(f"save-random writes diffusion pipelines; {workload.name} is a {workload.kind} workload")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"{out} exists and is not empty; give a new folder")
+    t0 = time.perf_counter()
+    pipe = random_diffusion_pipeline(workload, device, seed)
+    with quiet_diffusers():
+        pipe.to(dtype=dtype)
+        out.mkdir(parents=True, exist_ok=True)
+        pipe.save_pretrained(str(out), safe_serialization=True)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return {"folder": str(out), "workload": workload.name, "seed": seed, "dtype": str(dtype).replace("torch.", ""),
+            "bytes": size, "seconds": round(time.perf_counter() - t0, 2)}

@@ -3,6 +3,7 @@
     python app.py bench --workload sg2-1024 --configs baseline,fp32,bf16,compile-cg --out $OUT/bench
     python app.py bench report --inputs a/bench.jsonl b/bench.jsonl --out docs/benchmarks.md
     python app.py bench list
+    python app.py bench save-random --workload sd15-512 --out /tmp/sd15-random   (then --weights /tmp/sd15-random)
     python app.py bench --workload sd15-512 --configs baseline,fp32,best --isolate compiled --dry-run
 
 Nothing on this path imports gradio or matplotlib (matplotlib only for `bench report`'s plots, and
@@ -149,6 +150,29 @@ def run_cmd(argv: list[str]) -> int:
     return 0
 
 
+@cli_errors
+def save_random_cmd(argv: list[str]) -> int:
+    import torch
+
+    from bench.build import save_random_diffusion
+    from bench.specs import get_workload
+
+    p = argparse.ArgumentParser(
+        prog="app.py bench save-random",
+        description="Write a diffusion workload's random-weight pipeline as a diffusers folder (safetensors): "
+                    "`bench --weights FOLDER` then loads it from disk as a real model loads (the second-start figure).")
+    p.add_argument("--workload", required=True, help="a diffusion workload, e.g. sd15-512")
+    p.add_argument("--out", required=True, help="a new (or empty) folder")
+    p.add_argument("--seed", type=int, default=0, help="the seed of the weights (the bench's --seed)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="dtype of the saved weights")
+    p.add_argument("--device", default=None, help="where to draw the weights (default: cuda when present)")
+    a = p.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    print(json.dumps(save_random_diffusion(get_workload(a.workload), Path(a.out), device, a.seed, dtype)))
+    return 0
+
+
 def main(argv: list[str], services=None) -> int:
     """`services` is accepted for the dispatcher's sake; the benchmark builds its own models."""
     del services
@@ -156,6 +180,8 @@ def main(argv: list[str], services=None) -> int:
         return report_cmd(argv[1:])
     if argv and argv[0] == "list":
         return list_cmd(argv[1:])
+    if argv and argv[0] == "save-random":
+        return save_random_cmd(argv[1:])
     if argv and argv[0] == "run":
         argv = argv[1:]
     return run_cmd(argv)

@@ -6,6 +6,8 @@
 #           its prepare_s + first_call_s is the time to a first image on a second start (WARM_CONFIGS: others;
 #           with ATELIER_REQUEST_GRAPH_AOT=1 exported for both parts, a request graph's parts are AOTInductor
 #           packages, loaded without tracing on the second start)
+#   save-W  write workload W's random weights to WEIGHTS=FOLDER (safetensors); with WEIGHTS set, every bench part
+#           loads that folder (--weights), so a second start reads its weights from disk as a real model's
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
@@ -21,7 +23,8 @@ print('+'.join(f'{k}={int(v) if isinstance(v, bool) else v}' for k, v in b.items
 share_ref() {   # the fp32 reference an earlier part of this call made for workload $1, into folder $2
   mkdir -p "$2/reference" && cp -n "$OUT"/*/reference/"$1"-* "$2/reference/" 2>/dev/null || true
 }
-BENCH="python3 app.py bench --batches 1 --no-report --quiet --isolate compiled"
+# WEIGHTS=FOLDER: every bench part loads that diffusers folder (from `save-W`) instead of drawing random weights
+BENCH="python3 app.py bench --batches 1 --no-report --quiet --isolate compiled ${WEIGHTS:+--weights $WEIGHTS}"
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -29,6 +32,9 @@ for part in "$@"; do
              --configs "${TURBO_CONFIGS:-fp32,baseline,best}" --profile "${TURBO_PROFILE:-best}" --out "$OUT/turbo" ;;
     sd15) timeout ${SD15_TIMEOUT:-540} $BENCH --workload sd15-512 \
             --configs "${SD15_CONFIGS:-fp32,baseline,best}" --profile "${SD15_PROFILE:-best}" --out "$OUT/sd15" ;;
+    save-*) w=${part#save-}   # the workload's random weights as a diffusers folder: loaded from disk like a real model
+            timeout ${SAVE_TIMEOUT:-120} python3 app.py bench save-random --workload $w \
+              --out "${WEIGHTS:?save-W writes to WEIGHTS=FOLDER (outside \$OUT: a GB is too much to bring back)}" ;;
     warm-*) w=${part#warm-}   # best again in a new process, on the compile cache the run before filled
             share_ref $w "$OUT/warm-$w"
             timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" --profile none --out "$OUT/warm-$w" ;;
