@@ -156,7 +156,8 @@ def test_train_tab_has_the_controls_and_its_defaults_keep_the_preset(stand_in, t
     assert pipe["value"] == "" and choices[0] == ("preset's", "") and ("upright", "upright") in choices
     assert cap["value"] == 0 and (cap["minimum"], cap["maximum"]) == (0, 1)
     assert retune["value"] is False
-    assert START_FIELDS[-3:] == ("aug_pipe", "ada_max_p", "retune")     # appended: older API calls keep their order
+    # appended: older API calls keep their order
+    assert START_FIELDS[-5:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels")
 
     view = TrainView()
     with pytest.raises(gr.Error, match="tick Resume it as well"):
@@ -180,3 +181,33 @@ def test_train_tab_passes_the_guards_it_is_given(stand_in, tmp_path, data):
     start.fn(data=str(data), preset="tiny", name="given", aug_pipe="upright", ada_max_p=0.45, view=TrainView())
     cfg = cli.config_from_args(cli.build_parser().parse_args(trainer_argv(stand_in.runs_dir / "given")))
     assert (cfg.aug_pipe, cfg.ada_max_p) == ("upright", 0.45)
+
+
+def test_train_tab_starts_a_class_conditional_run(stand_in, tmp_path):
+    """The Classes accordion: a class key (and a labels file, or the preset's / the data's dataset.json) reaches
+    the trainer as --cond / --labels; a labels file without a key, or one that is not there, is refused."""
+    import gradio as gr
+
+    from ui.train_tab import TrainView
+
+    demo, start = _tab(tmp_path, stand_in)
+    props = {c["props"].get("elem_id"): c["props"] for c in demo.get_config_file()["components"]}
+    assert props["train-cond"]["value"] == "" and props["train-labels"]["value"] == ""
+    view = TrainView()
+    start.fn(data="", preset="emoji64", kimg=1, name="emoji-cond", cond="group", view=view)
+    argv = trainer_argv(stand_in.runs_dir / "emoji-cond")
+    assert argv[argv.index("--cond") + 1] == "group" and "--labels" not in argv     # the preset's labels
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv))
+    assert cfg.cond == "group" and cfg.labels.endswith("emoji64_labels.json")
+    with pytest.raises(gr.Error, match="only for class-conditional training"):
+        start.fn(data="", preset="emoji64", kimg=1, name="x1", labels="assets/datasets/emoji64_labels.json", view=view)
+    with pytest.raises(gr.Error, match="labels file not found"):
+        start.fn(data="", preset="emoji64", kimg=1, name="x2", cond="group", labels=str(tmp_path / "no.json"),
+                 view=view)
+    with pytest.raises(gr.Error, match="class key"):
+        start.fn(data="", preset="emoji64", kimg=1, name="x3", cond="group/../x", view=view)
+    labels = tmp_path / "mine.json"
+    labels.write_text(json.dumps({"style": [i % 2 for i in range(3916)]}))
+    start.fn(data="", preset="emoji64", kimg=1, name="emoji-style", cond="style", labels=str(labels), view=view)
+    argv = trainer_argv(stand_in.runs_dir / "emoji-style")
+    assert argv[argv.index("--labels") + 1] == str(labels) and argv[argv.index("--cond") + 1] == "style"

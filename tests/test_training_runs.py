@@ -165,6 +165,10 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_pat
     (dict(batch=3), "even number"),
     (dict(d_steps=11), "D:G ratio"),
     (dict(kimg=-1), "positive"),
+    (dict(labels="assets/datasets/emoji64_labels.json"), "only for class-conditional"),
+    (dict(cond="a b"), "class key"),
+    (dict(cond="group", labels="/nonexistent/labels.json"), "labels file not found"),
+    (dict(cond="group"), "dataset.json inside the data folder"),       # a .npy without labels has none
 ])
 def test_bad_requests_are_refused_before_anything_starts(tmp_path, data, kw, msg):
     m = TrainingRunManager(tmp_path / "runs")

@@ -397,6 +397,12 @@ def test_train_tab_starts_watches_and_stops_a_run(page, studio, tmp_path, monkey
     fill(page, "train-data", str(tmp_path / "missing"))                   # bad input: a message, not a crash
     page.click("#train-start-btn")
     page.get_by_text("training data not found").first.wait_for(timeout=LONG)
+    # the Classes accordion's fields reach the request: a labels file without a class key is refused, with why
+    fill(page, "train-data", str(data))
+    page.locator("#train-classes").get_by_text("Classes (conditional)").click()
+    fill(page, "train-labels", str(tmp_path / "labels.json"))
+    page.click("#train-start-btn")
+    page.get_by_text("only for class-conditional training").first.wait_for(timeout=LONG)
 
 
 def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):

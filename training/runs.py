@@ -86,6 +86,8 @@ class TrainRequest:
     device: str | None = None           # cuda, cuda:N, cpu; None = the best available
     seed: int | None = None
     extra_args: tuple[str, ...] = ()    # more `app.py train` options, passed as given
+    cond: str = ""                      # class-conditional on the class indices under this key ("" = unconditional)
+    labels: str = ""                    # the labels JSON ("" = the preset's, or the data set's own dataset.json)
 
     def checked(self) -> "TrainRequest":
         """The same request with defaults filled in; raises InputError on what the trainer would refuse."""
@@ -132,16 +134,34 @@ class TrainRequest:
         if self.retune and not self.resume:
             raise InputError("Retune changes the recipe of a run being resumed: tick Resume it as well (the run "
                              "name is the run to continue), or untick Retune to start a new run")
+        cond, labels = (self.cond or "").strip(), (self.labels or "").strip()
+        if labels and not cond:
+            raise InputError("a labels file is read only for class-conditional training: give the class key "
+                             "(e.g. group for emoji64, any name for NVlabs' dataset.json), or clear the labels file")
+        if cond and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cond):
+            raise InputError(f"the class key {cond!r}: use letters, digits, '.', '_' and '-' (the key of the "
+                             "per-image class indices in the labels file)")
+        if labels:
+            lp = resolve_data(labels)
+            if not lp.is_file():
+                raise InputError(f"labels file not found: {labels}; give a JSON file on the studio's machine")
+            labels = str(lp)
         name = (self.name or "").strip()
         if name and not NAME_RE.match(name):
             raise InputError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (at most 64), "
                              "starting with a letter or digit")
         name = name or f"{self.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         req = TrainRequest(**{**asdict(self), "data": data, "resolution": res, "kimg": kimg, "minutes": minutes,
-                              "aug_pipe": pipe, "ada_max_p": max_p, "name": name,
+                              "aug_pipe": pipe, "ada_max_p": max_p, "name": name, "cond": cond, "labels": labels,
                               "extra_args": tuple(self.extra_args)})
         # the trainer's own validation of the options that do not depend on the data
         cfg = build_config(self.preset, res, **req.overrides())
+        if cfg.cond and not cfg.labels and cfg.data and not self.resume:
+            from training.dataset import nvlabs_labels_source
+
+            if nvlabs_labels_source(resolve_data(cfg.data)) is None:
+                raise InputError(f"class key {cfg.cond!r} needs labels: a labels file (per-image class indices under "
+                                 f"{cfg.cond!r}), or NVlabs' dataset.json inside the data folder or .zip")
         if not self.resume and cfg.aug != "none" and cfg.aug_p > cfg.ada_max_p:
             # (a resumed run keeps its own p; a retune to a lower cap lowers it, training/trainer.py)
             whose = "" if max_p else f" (the {self.preset} preset's)"
@@ -157,7 +177,8 @@ class TrainRequest:
                 "aug_pipe": self.aug_pipe or None, "ada_max_p": float(self.ada_max_p) if self.ada_max_p else None,
                 "auto_countermeasures": bool(self.auto_countermeasures) or None,
                 "monitor_kimg": float(self.monitor_kimg) if self.monitor_kimg else None,
-                "log_every": int(self.log_every) if self.log_every else None, "seed": self.seed}
+                "log_every": int(self.log_every) if self.log_every else None, "seed": self.seed,
+                "cond": self.cond or None, "labels": self.labels or None}
 
     def cli_args(self, out: Path) -> list[str]:
         """`training.cli` arguments for a checked request writing to `out`."""
@@ -180,6 +201,10 @@ class TrainRequest:
             a += ["--aug-pipe", self.aug_pipe]
         if self.auto_countermeasures:
             a.append("--auto-countermeasures")
+        if self.cond:
+            a += ["--cond", self.cond]
+        if self.labels:
+            a += ["--labels", self.labels]
         if self.seed is not None:
             a += ["--seed", str(int(self.seed))]
         if self.device:

@@ -37,7 +37,7 @@ GPU_NOTE = ("Training runs as a separate process on the same GPU as generation: 
 # the start event's inputs, in the order of `train_start`'s parameters (its API signature)
 START_FIELDS = ("data", "preset", "resolution", "kimg", "minutes", "batch", "loss", "d_steps", "aug", "aug_p",
                 "auto_countermeasures", "name", "resume", "monitor_kimg", "log_every", "aug_pipe", "ada_max_p",
-                "retune")
+                "retune", "cond", "labels")
 # "" is the preset's pipe (bgc; emoji64 upright): an untouched control never overrides a preset
 PIPE_CHOICES = [("preset's", "")] + [(p, p) for p in AUG_PIPES]
 
@@ -173,6 +173,16 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                               min_width=100, info="from its checkpoint")
                     C["retune"] = gr.Checkbox(False, label="Retune", elem_id="train-retune", scale=1, min_width=100,
                                               info="take this recipe")
+                with gr.Accordion("Classes (conditional)", open=False, elem_id="train-classes"):
+                    with gr.Row():
+                        C["cond"] = gr.Textbox("", label="Class key", elem_id="train-cond", scale=1,
+                                               placeholder="empty = unconditional",
+                                               info="emoji64: group (10) or class (98); any name for NVlabs' "
+                                                    "dataset.json")
+                        C["labels"] = gr.Textbox("", label="Labels file", elem_id="train-labels", scale=2,
+                                                 placeholder="empty = the preset's, or the data's dataset.json",
+                                                 info="JSON: per-image class indices under the key, or NVlabs' "
+                                                      "dataset.json")
                 with gr.Accordion("Monitor and logging", open=False, elem_id="train-more"):
                     with gr.Row():
                         C["monitor_kimg"] = gr.Number(0, label="Monitor every (kimg)", elem_id="train-monitor-kimg",
@@ -232,10 +242,14 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
 
     def train_start(data="", preset="stylegan2", resolution=0, kimg=0, minutes=0, batch=0, loss="r1", d_steps=0,
                     aug="ada", aug_p=0.0, auto_countermeasures=False, name="", resume=False, monitor_kimg=0,
-                    log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, view: TrainView = None):
-        """Start a training run in a separate process; the live view follows it."""
+                    log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, cond="", labels="",
+                    view: TrainView = None):
+        """Start a training run in a separate process; the live view follows it. `cond` (a class key) trains a
+        class-conditional model on the labels under that key of `labels` (or of the data set's dataset.json)."""
         if settings.public:
             data = _check_visitor_data(settings, str(data or ""))
+            if str(labels or "").strip():
+                labels = _check_visitor_data(settings, str(labels))
         try:
             req = TrainRequest(data=str(data or ""), preset=preset or "stylegan2", resolution=int(resolution or 0),
                                kimg=float(kimg or 0), minutes=float(minutes or 0), batch=int(batch or 0),
@@ -243,7 +257,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                aug_p=float(aug_p or 0), auto_countermeasures=bool(auto_countermeasures),
                                name=str(name or "").strip(), resume=bool(resume),
                                monitor_kimg=float(monitor_kimg or 0), log_every=int(log_every or 0),
-                               aug_pipe=str(aug_pipe or ""), ada_max_p=float(ada_max_p or 0), retune=bool(retune))
+                               aug_pipe=str(aug_pipe or ""), ada_max_p=float(ada_max_p or 0), retune=bool(retune),
+                               cond=str(cond or "").strip(), labels=str(labels or "").strip())
             st = manager.start(req)
         except AtelierError as exc:
             raise gr.Error(str(exc)) from None
