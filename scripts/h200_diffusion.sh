@@ -23,6 +23,35 @@ print('+'.join(f'{k}={int(v) if isinstance(v, bool) else v}' for k, v in b.items
 share_ref() {   # the fp32 reference an earlier part of this call made for workload $1, into folder $2
   mkdir -p "$2/reference" && cp -n "$OUT"/*/reference/"$1"-* "$2/reference/" 2>/dev/null || true
 }
+# Preflight, before any GPU work: every part is known, every workload and configuration resolves (a typo
+# such as `warm-sd15` once cost a device call). PREFLIGHT_ONLY=1 stops after it (a check on any machine).
+python3 - "$@" <<'PY' || exit 2
+import os, sys
+from bench.specs import get_workload, parse_list, resolve_configs
+env, errors = os.environ, []
+def configs(workload, var, default):
+    resolve_configs(get_workload(workload), parse_list(env.get(var) or default))
+for p in sys.argv[1:]:
+    try:
+        if p == "turbo": configs("sd-turbo-512", "TURBO_CONFIGS", "fp32,baseline,best")
+        elif p == "sd15": configs("sd15-512", "SD15_CONFIGS", "fp32,baseline,best")
+        elif p == "sdxl": configs("sdxl-1024", "SDXL_CONFIGS", "baseline,best,best-fp8")
+        elif p.startswith("warm-"): configs(p[5:], "WARM_CONFIGS", "best")
+        elif p.startswith("save-"):
+            if get_workload(p[5:]).kind != "diffusion":
+                raise ValueError("not a diffusion workload")
+            if not env.get("WEIGHTS"):
+                raise ValueError("needs WEIGHTS=FOLDER (outside $OUT)")
+        elif p not in ("fp8", "tests", "rgtests"):
+            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, fp8, tests, rgtests)")
+    except Exception as exc:
+        errors.append(f"{p}: {exc}")
+if errors:
+    print("preflight failed, nothing ran:", *errors, sep="\n  ")
+    sys.exit(2)
+print("preflight ok:", " ".join(sys.argv[1:]))
+PY
+[ -n "${PREFLIGHT_ONLY:-}" ] && exit 0
 # WEIGHTS=FOLDER: every bench part loads that diffusers folder (from `save-W`) instead of drawing random weights
 BENCH="python3 app.py bench --batches 1 --no-report --quiet --isolate compiled ${WEIGHTS:+--weights $WEIGHTS}"
 for part in "$@"; do

@@ -291,3 +291,26 @@ def test_save_random_writes_a_folder_the_bench_loads_as_real_weights(tmp_path, c
     ref = {k: np.load(next((tmp_path / k / "reference").glob("*.npz")))["images"].astype(np.float64)
            for k in ("random", "file")}
     assert ref["random"].std() > 10 and np.abs(ref["random"] - ref["file"]).mean() < 0.5
+
+
+def test_the_h200_diffusion_script_refuses_a_bad_plan_before_any_gpu_work(tmp_path):
+    """scripts/h200_diffusion.sh checks every part, workload and configuration first (PREFLIGHT_ONLY=1 stops
+    there): a plan with a typo fails here, not after a device call has started."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OUT": str(tmp_path / "out"), "PREFLIGHT_ONLY": "1"}
+    env.pop("WEIGHTS", None)
+
+    def plan(*parts, **extra):
+        return subprocess.run(["bash", "scripts/h200_diffusion.sh", *parts], cwd=root, env={**env, **extra},
+                              capture_output=True, text=True, timeout=300)
+
+    good = plan("save-sd15-512", "sd15", "warm-sd15-512", "tests", WEIGHTS=str(tmp_path / "w"),
+                SD15_CONFIGS="best-graph", SDXL_CONFIGS="best,mine@precision=bf16+fp8=1")
+    assert good.returncode == 0 and "preflight ok" in good.stdout, good.stdout + good.stderr
+    bad = plan("warm-sd15", "sdxl", "save-sd15-512", "sd16", SDXL_CONFIGS="best,bestfp8")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    for why in ("warm-sd15: unknown workload 'sd15'", "unknown configuration 'bestfp8'",
+                "save-sd15-512: needs WEIGHTS", "sd16: unknown part"):
+        assert why in bad.stdout, (why, bad.stdout)
+    assert not (tmp_path / "w").exists() and not list((tmp_path / "out").glob("*/bench.jsonl"))
