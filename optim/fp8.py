@@ -77,6 +77,7 @@ MIN_CAPABILITY = (8, 9)
 CONV_MIN_CAPABILITY = (10, 0)
 TORCHAO_MISSING = "FP8 needs torchao (pip install torchao)"
 SIZE = "size filter"
+MEASURED = "measured: faster unquantized at this shape"
 
 # Linear layers kept in bf16 for what they compute, whatever their width: (role, name parts, why).
 KEPT_BY_ROLE = (
@@ -257,21 +258,30 @@ def coverage(sel: Selection, per_layer: dict[str, int], total: int) -> dict:
             "kept_linear_flops": {k: round(sum(per_layer.get(n, 0) for n in v) / linear, 4) for k, v in sel.kept.items()}}
 
 
-def _unet_coverage(unet: torch.nn.Module, sel: Selection, device: torch.device) -> dict:
+def _unet_flops(unet: torch.nn.Module, device: torch.device) -> dict:
+    """The Linear FLOPs of one UNet pass (before quantizing: the layers as they run) and the notes that go with
+    them, or {"error": ...}: a figure for the report only, never a reason to lose the toggle."""
     from optim.prune import unet_probe_inputs
 
     try:
         inputs = unet_probe_inputs(unet, device)
         per_layer, total = linear_flops(unet, lambda: unet(**inputs))
-    except Exception as exc:  # a figure for the report only: never cost the artist the toggle
+    except Exception as exc:
         return {"error": f"not measured ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"}
     size = int(unet.config.sample_size)           # unet_probe_inputs ran at it
-    out = coverage(sel, per_layer, total)
-    out["measured_on"] = (f"one UNet pass at its {size}×{size} sample size, 77 text tokens (the shares do not depend "
-                          "on the batch; at other resolutions the 77-token and per-image layers weigh differently)")
+    notes = {"measured_on": (f"one UNet pass at its {size}×{size} sample size, 77 text tokens (the shares do not "
+                             "depend on the batch; at other resolutions the 77-token and per-image layers weigh "
+                             "differently)")}
     if device.type != "cuda":
-        out["note"] = "attention FLOPs are counted on CUDA only, so unet_flops_in_fp8 and linear_share_of_unet are overstated here"
-    return out
+        notes["note"] = ("attention FLOPs are counted on CUDA only, so unet_flops_in_fp8 and linear_share_of_unet "
+                         "are overstated here")
+    return {"per_layer": per_layer, "total": total, "notes": notes}
+
+
+def _coverage_report(sel: Selection, flops: dict) -> dict:
+    if "error" in flops:
+        return {"error": flops["error"]}
+    return {**coverage(sel, flops["per_layer"], flops["total"]), **flops["notes"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,24 +313,42 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
     if not planned.fp8:
         return skipped(f"no linear layer of this UNet is large enough for FP8 (size filter: in and out features "
                        f">= {threshold}); all left as they were", size_filter=threshold, size_filter_from=source)
-    cover = _unet_coverage(unet, planned, ctx.device)       # before quantizing: the bf16 layers as they run
+    flops = _unet_flops(unet, ctx.device)                   # before quantizing: the layers as they run
     mode = scaling()
     static_details: dict = {}
     if mode == "static":
         sel = planned
         if ctx.on_status is not None:
             ctx.on_status(f"calibrating FP8 scales ({len(planned.fp8)} layers, one short request)")
-        amax, how = calibrate(target, planned.fp8, ctx.device)
+        tokens: dict[str, int] = {}
+        amax, how = calibrate(target, planned.fp8, ctx.device, tokens=tokens)
+        kept_extra: dict[str, list[str]] = {}
+        selection = {"mode": "size"}
+        if select_mode() == "measure":
+            _, slower, selection = measured_selection(unet, planned.fp8, tokens, ctx.device)
+            if slower:
+                kept_extra[MEASURED] = slower
+                amax = {k: v for k, v in amax.items() if k not in set(slower)}
+        if not any(v == v for v in amax.values()) and kept_extra.get(MEASURED):
+            return skipped(f"measured on this GPU, none of the {len(planned.fp8)} candidate layers' shapes is faster "
+                           "in FP8 than unquantized (including the quantization pass); all left as they were",
+                           scaling=mode, selection=selection, size_filter=threshold, size_filter_from=source)
         done = quantize_linears_static(unet, amax)
-        if len(done) < len(planned.fp8):
-            left = [n for n in planned.fp8 if n not in set(done)]
-            sel = Selection(fp8=done, kept=dict(planned.kept, **{"not called while calibrating": left}))
+        left = [n for n in planned.fp8 if n not in set(done) and n not in set(kept_extra.get(MEASURED, []))]
+        if left:
+            kept_extra["not called while calibrating"] = left
+        if kept_extra:
+            sel = Selection(fp8=done, kept=dict(planned.kept, **kept_extra))
         seen = [v for v in amax.values() if v == v]
-        static_details = {"calibration": how, "margin": STATIC_MARGIN,
+        static_details = {"calibration": how, "margin": STATIC_MARGIN, "selection": selection,
                           "input_max_range": [round(min(seen), 4), round(max(seen), 4)] if seen else None}
     else:
         sel = quantize_linears(unet, threshold)
+    cover = _coverage_report(sel, flops)
     roles = {role: why for role, _, why in KEPT_BY_ROLE}
+    roles[MEASURED] = ("timed on this GPU at its shape (M = 2 × tokens), the unquantized GEMM was faster than FP8 "
+                       "plus the quantization pass (selection.shapes)")
+    roles["not called while calibrating"] = "no input range was measured, so there is no scale to give it"
     kept = {k: {"layers": len(v), "why": roles.get(k, f"in or out features below {threshold}, or not a multiple of 16")}
             for k, v in sel.kept.items()}
     share = cover.get("linear_flops_in_fp8")
@@ -422,12 +450,17 @@ class StaticFP8Linear(torch.nn.Module):
         return y.reshape(*lead, self.out_features).to(x.dtype if not half else self.out_dtype)
 
 
-def _record_amax(module: torch.nn.Module, names: list[str]):
-    """Forward pre-hooks keeping each named layer's running max |input| as a device tensor (no host sync)."""
+def _record_amax(module: torch.nn.Module, names: list[str], tokens: dict[str, int] | None = None):
+    """Forward pre-hooks keeping each named layer's running max |input| as a device tensor (no host sync),
+    and in `tokens` the most rows per image it saw (the sequence length of a (batch, tokens, features) input)."""
     amax: dict[str, torch.Tensor] = {}
 
     def hook(name):
         def seen(m, args):
+            if tokens is not None:
+                x = args[0]
+                t = int(x.shape[-2]) if x.dim() >= 3 else 1
+                tokens[name] = max(tokens.get(name, 0), t)
             a = args[0].detach().abs().amax().float()
             prev = amax.get(name)
             amax[name] = a if prev is None else torch.maximum(prev, a)
@@ -437,8 +470,8 @@ def _record_amax(module: torch.nn.Module, names: list[str]):
     return amax, handles
 
 
-def calibrate(target: Target, names: list[str], device: torch.device,
-              steps: int = CALIBRATION_STEPS) -> tuple[dict[str, float], dict]:
+def calibrate(target: Target, names: list[str], device: torch.device, steps: int = CALIBRATION_STEPS,
+              tokens: dict[str, int] | None = None) -> tuple[dict[str, float], dict]:
     """Max |input| of each named UNet Linear over a real request: the pipeline itself, eager, with two prompts
     and its empty negative prompt (classifier-free guidance), `steps` denoising steps, latents out (the VAE
     is not run). A bare UNet (no pipeline given) is probed instead at timesteps across the schedule with the
@@ -446,7 +479,7 @@ def calibrate(target: Target, names: list[str], device: torch.device,
     import time
 
     unet = target.get("unet")
-    amax, handles = _record_amax(unet, names)
+    amax, handles = _record_amax(unet, names, tokens)
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
@@ -501,3 +534,120 @@ def quantize_linears_static(module: torch.nn.Module, amax: dict[str, float],
         _swap(module, name, StaticFP8Linear(module.get_submodule(name), a, margin))
         done.append(name)
     return done
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured selection: FP8 only for the matrix shapes where it is faster on this GPU
+
+SELECT_ENV = "ATELIER_FP8_SELECT"
+SELECTS = ("measure", "size")
+# FP8 is kept for a shape only if its GEMM plus the quantization pass is this much faster than the bf16 GEMM
+SELECT_GAIN = 0.03
+# The quantization pass, counted as if inductor could not fuse it (read 2 bytes, write 1 per input element)
+# at this memory rate: conservative, so a kept shape gains even where the cast is a kernel of its own.
+QUANT_BYTES_PER_ELEMENT = 3
+HBM_BYTES_PER_S = 3.0e12
+
+
+def select_mode(env: dict[str, str] | None = None) -> str:
+    """'measure' (default): time each layer shape in bf16 and FP8 on the GPU and keep FP8 where it wins;
+    'size': the size filter alone (ATELIER_FP8_SELECT)."""
+    raw = (os.environ if env is None else env).get(SELECT_ENV, "").strip().lower() or "measure"
+    if raw not in SELECTS:
+        raise InputError(f"{SELECT_ENV} must be one of {', '.join(SELECTS)}; got {raw!r}")
+    return raw
+
+
+def shapes_of(module: torch.nn.Module, names: list[str], tokens: dict[str, int],
+              rows_per_token: int = 2) -> dict[tuple[int, int, int], list[str]]:
+    """(M, K, N) of each named Linear's product -> the layers with it. M = tokens per image × `rows_per_token`
+    (2: one image with classifier-free guidance, the studio's usual call)."""
+    out: dict[tuple[int, int, int], list[str]] = {}
+    for n in names:
+        if n not in tokens:
+            continue
+        lin = module.get_submodule(n)
+        out.setdefault((tokens[n] * rows_per_token, lin.in_features, lin.out_features), []).append(n)
+    return out
+
+
+def quant_us(m: int, k: int) -> float:
+    """Microseconds of an unfused quantization pass over an M×K input (QUANT_BYTES_PER_ELEMENT at HBM_BYTES_PER_S)."""
+    return m * k * QUANT_BYTES_PER_ELEMENT / HBM_BYTES_PER_S * 1e6
+
+
+def decide(times: dict[tuple[int, int, int], tuple[float, float]], gain: float = SELECT_GAIN) -> dict:
+    """Per shape: FP8 if its GEMM plus the quantization pass beats the bf16 GEMM by `gain`.
+    `times`: (M, K, N) -> (bf16 µs, FP8 µs)."""
+    out = {}
+    for (m, k, n), (t16, t8) in times.items():
+        q = quant_us(m, k)
+        out[(m, k, n)] = {"bf16_us": round(t16, 2), "fp8_us": round(t8, 2), "quant_us": round(q, 2),
+                          "fp8": bool(t8 + q <= t16 * (1 - gain))}
+    return out
+
+
+def _graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
+    """Median µs of one `fn()` call, replayed `calls` at a time from a CUDA graph (no launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def time_shape(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(bf16-or-fp16 GEMM µs, FP8 per-tensor _scaled_mm µs) of y = x·Wᵀ + b at this shape, on `device`."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, device=device, dtype=dtype, generator=g)
+    xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device, dtype=torch.float32)
+    with torch.no_grad():
+        t16 = _graph_time_us(lambda: torch.nn.functional.linear(x, w, b))
+        t8 = _graph_time_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, bias=b, out_dtype=dtype))
+    return t16, t8
+
+
+def measured_selection(unet: torch.nn.Module, names: list[str], tokens: dict[str, int],
+                       device: torch.device) -> tuple[list[str], list[str], dict]:
+    """Time every distinct layer shape on `device` and split `names` into (FP8, kept in the model's dtype,
+    report). Needs CUDA and an fp16/bf16 model; elsewhere every name stays FP8 and the report says why."""
+    dtype = next(unet.parameters()).dtype
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return list(names), [], {"mode": "size", "why": "the measured selection needs CUDA and an fp16/bf16 model"}
+    import time
+
+    t0 = time.perf_counter()
+    groups = shapes_of(unet, names, tokens)
+    verdict = decide({shape: time_shape(*shape, dtype, device) for shape in groups})
+    fp8, kept, rows = [], [], []
+    for shape, layers in sorted(groups.items()):
+        v = verdict[shape]
+        (fp8 if v["fp8"] else kept).extend(layers)
+        rows.append({"m": shape[0], "k": shape[1], "n": shape[2], "layers": len(layers), **v})
+    unseen = [n for n in names if n not in tokens]
+    fp8.extend(unseen)                   # never called while calibrating: quantize_linears_static leaves them
+    return fp8, kept, {"mode": "measure", "shapes": rows, "seconds": round(time.perf_counter() - t0, 2),
+                       "rule": (f"FP8 where its GEMM + an unfused quantization pass ({QUANT_BYTES_PER_ELEMENT} bytes an "
+                                f"input element at {HBM_BYTES_PER_S / 1e12:g} TB/s) beats the {str(dtype)[6:]} GEMM by "
+                                f"{SELECT_GAIN:.0%}; M = 2 × tokens (one image with CFG); CUDA-graph timings")}

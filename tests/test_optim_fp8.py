@@ -295,10 +295,12 @@ def test_gpu_fp8_mlp_close_to_bf16():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_unet_under_compile(tmp_path):
+def test_gpu_fp8_unet_under_compile(tmp_path, monkeypatch):
     cuda = torch.device("cuda")
     if fp8.unavailable_reason(cuda):
         pytest.skip(fp8.unavailable_reason(cuda))
+    monkeypatch.setenv(fp8.SELECT_ENV, "size")     # the FP8 path itself: every layer the filters pass (its 512-row
+    #                                                products may well be faster unquantized, which the measured test covers)
     from optim.prune import unet_probe_inputs
 
     ref_unet = _big_unet().to(cuda, torch.bfloat16)
@@ -525,6 +527,7 @@ def test_gpu_static_fp8_unet_under_cuda_graphs(tmp_path, monkeypatch, dtype):
     if fp8.unavailable_reason(cuda):
         pytest.skip(fp8.unavailable_reason(cuda))
     monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    monkeypatch.setenv(fp8.SELECT_ENV, "size")     # the FP8 path itself (the measured selection has its own test)
     ref_unet = _big_unet().to(cuda, dtype)
     inputs = unet_probe_inputs(ref_unet, cuda, batch=2)
     with torch.no_grad():
@@ -552,3 +555,75 @@ def test_gpu_static_fp8_unet_under_cuda_graphs(tmp_path, monkeypatch, dtype):
 def _modules(m):
     inner = getattr(m, "_orig_mod", m)
     return inner.modules()
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured selection: FP8 only for the shapes where it is faster on the GPU
+
+
+def test_calibration_records_tokens_and_layers_group_by_product_shape():
+    from optim.targets import resolve
+
+    unet = _tiny_unet(torch.bfloat16, text_time=True)
+    sel = fp8.select(unet, min_features=64)
+    tokens: dict[str, int] = {}
+    fp8.calibrate(resolve(unet, "diffusion"), sel.fp8, CPU, steps=1, tokens=tokens)
+    assert set(tokens) == set(sel.fp8)
+    # 8×8 latents: the first block attends over 64 tokens (its Linears see (batch, 64, features))
+    assert tokens["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"] == 64
+    groups = fp8.shapes_of(unet, sel.fp8, tokens)
+    assert sum(len(v) for v in groups.values()) == len(sel.fp8)
+    for (m, k, n), layers in groups.items():
+        for name in layers:
+            lin = unet.get_submodule(name)
+            assert (m, k, n) == (2 * tokens[name], lin.in_features, lin.out_features)
+
+
+def test_decide_keeps_fp8_only_where_gemm_plus_quantization_wins():
+    big, small = (8192, 1280, 5120), (128, 640, 640)
+    q_big = fp8.quant_us(8192, 1280)
+    assert q_big == pytest.approx(8192 * 1280 * 3 / 3.0e12 * 1e6)
+    v = fp8.decide({big: (100.0, 60.0), small: (4.0, 3.99)})
+    assert v[big]["fp8"] and v[big]["quant_us"] == round(q_big, 2)
+    assert not v[small]["fp8"]                                 # 0.3 % faster is within the 3 % required
+    # the quantization pass counts: a GEMM that gains less than it costs stays unquantized
+    assert not fp8.decide({big: (100.0, 100.0 - q_big * 0.5)})[big]["fp8"]
+
+
+def test_select_mode_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(fp8.SELECT_ENV, raising=False)
+    assert fp8.select_mode() == "measure" and fp8.select_mode({fp8.SELECT_ENV: "Size"}) == "size"
+    with pytest.raises(InputError, match="measure, size"):
+        fp8.select_mode({fp8.SELECT_ENV: "auto"})
+
+
+def test_measured_selection_off_cuda_keeps_the_size_filter_and_says_why():
+    unet = _tiny_unet(torch.bfloat16)
+    names = fp8.select(unet, min_features=64).fp8
+    keep, kept, report = fp8.measured_selection(unet, names, {n: 64 for n in names}, CPU)
+    assert keep == names and kept == [] and report["mode"] == "size" and "needs CUDA" in report["why"]
+
+
+@pytest.mark.gpu
+def test_gpu_measured_selection_times_each_shape_and_splits_the_layers(tmp_path, monkeypatch):
+    cuda = torch.device("cuda")
+    if fp8.unavailable_reason(cuda):
+        pytest.skip(fp8.unavailable_reason(cuda))
+    monkeypatch.delenv(fp8.SELECT_ENV, raising=False)
+    monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    unet, report = optim.prepare(_big_unet().to(cuda, torch.bfloat16), Flags(precision="bf16", fp8=True,
+                                                                             compile="default"),
+                                 cuda, kind="diffusion", cache_dir=tmp_path)
+    r = report["fp8"]
+    sel = r["selection"]
+    assert sel["mode"] == "measure" and sel["shapes"], r
+    for row in sel["shapes"]:
+        assert row["bf16_us"] > 0 and row["fp8_us"] > 0 and row["fp8"] == (
+            row["fp8_us"] + row["quant_us"] <= row["bf16_us"] * (1 - fp8.SELECT_GAIN))
+    n_fp8 = sum(row["layers"] for row in sel["shapes"] if row["fp8"])
+    if r["applied"]:
+        assert r["fp8_layers"] == n_fp8 > 0
+        measured = r["kept_bf16"].get(fp8.MEASURED, {"layers": 0})["layers"]
+        assert measured == sum(row["layers"] for row in sel["shapes"] if not row["fp8"])
+    else:
+        assert n_fp8 == 0 and "none of the" in r["reason"]
