@@ -598,7 +598,8 @@ def _graph_time_us(fn, calls: int = 10, reps: int = 7) -> float:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the studio's metrics thread may query the device while this thread records
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(calls):
             fn()
     graph.replay()
@@ -639,7 +640,11 @@ def measured_selection(unet: torch.nn.Module, names: list[str], tokens: dict[str
 
     t0 = time.perf_counter()
     groups = shapes_of(unet, names, tokens)
-    verdict = decide({shape: time_shape(*shape, dtype, device) for shape in groups})
+    try:
+        verdict = decide({shape: time_shape(*shape, dtype, device) for shape in groups})
+    except Exception as exc:   # a timing that cannot run must not cost the artist the toggle: the size filter decides
+        return list(names), [], {"mode": "size", "why": f"the measured selection failed ({type(exc).__name__}: "
+                                                        f"{' '.join(str(exc).split())[:160]}); the size filter decided"}
     fp8, kept, rows = [], [], []
     for shape, layers in sorted(groups.items()):
         v = verdict[shape]
