@@ -200,11 +200,20 @@ def test_fp8_unet_compiles_to_one_graph_and_an_empty_prompt_stays_finite(torchao
     """The whole FP8 UNet traces as one graph with no graph break (explain and fullgraph=True), nothing in it
     syncs with the host (CUDA graphs need that), and zero text embeddings (SDXL's empty negative prompt)
     give a finite result."""
-    from torch._dynamo.backends.common import aot_autograd
-
     unet = _tiny_unet(dtype, text_time=True)
     fp8.quantize_linears(unet, min_features=64)
     assert any(isinstance(m, fp8.FP8Linear) for m in unet.modules()) == (dtype != torch.bfloat16)
+    eager, ops = _traced_once(unet)
+    assert "aten._scaled_mm.default" in ops                           # the FP8 product is in the graph
+    assert not set(ops) & {"aten._local_scalar_dense.default", "aten.lift_fresh_copy.default"}   # no .item(), no host tensor
+
+
+def _traced_once(unet):
+    """Run `unet` on zero text for half the CFG batch (SDXL's empty negative prompt) eagerly and compiled as one
+    graph (explain: one graph, no break; fullgraph=True); both finite and alike. Returns (eager output, the
+    traced graph's call_function targets)."""
+    from torch._dynamo.backends.common import aot_autograd
+
     text = torch.randn(2, 77, 64)
     text[1] = 0                                          # the unconditional half of the CFG batch
     inputs = _unet_inputs(unet, text)
@@ -214,17 +223,17 @@ def test_fp8_unet_compiles_to_one_graph_and_an_empty_prompt_stays_finite(torchao
         graphs.append(gm)
         return gm
 
+    torch._dynamo.reset()
     with torch.no_grad():
         eager = unet(**inputs).sample
         explained = torch._dynamo.explain(unet)(**inputs)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
         torch._dynamo.reset()
         compiled = torch.compile(unet, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(**inputs).sample
+    torch._dynamo.reset()
     assert torch.isfinite(eager).all() and torch.isfinite(compiled).all()
     assert rel_err(eager, compiled) < 2e-2
-    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert "aten._scaled_mm.default" in ops                           # the FP8 product is in the graph
-    assert not ops & {"aten._local_scalar_dense.default", "aten.lift_fresh_copy.default"}   # no .item(), no host tensor
+    return eager, [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
 
 
 def test_coverage_is_the_share_of_linear_flops_in_fp8():
@@ -438,7 +447,6 @@ def test_scaling_comes_from_the_environment(monkeypatch):
 def test_static_fp8_unet_traces_to_one_graph_with_the_scaled_mm(dtype):
     """No graph break, the FP8 products in the graph, nothing that syncs with the host (CUDA graphs need
     that), and zero text (SDXL's empty negative prompt) stays finite."""
-    from torch._dynamo.backends.common import aot_autograd
     from optim.targets import resolve
 
     unet = _tiny_unet(dtype, text_time=True)
@@ -448,26 +456,8 @@ def test_static_fp8_unet_traces_to_one_graph_with_the_scaled_mm(dtype):
     assert set(amax) == set(sel.fp8) and all(v > 0 for v in amax.values())
     done = fp8.quantize_linears_static(unet, amax)
     assert done == sel.fp8 and all(isinstance(unet.get_submodule(n), fp8.StaticFP8Linear) for n in done)
-    text = torch.randn(2, 77, 64)
-    text[1] = 0
-    inputs = _unet_inputs(unet, text)
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        eager = unet(**inputs).sample
-        explained = torch._dynamo.explain(unet)(**inputs)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-        torch._dynamo.reset()
-        compiled = torch.compile(unet, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(**inputs).sample
-    torch._dynamo.reset()
-    assert eager.dtype == dtype and torch.isfinite(eager).all() and torch.isfinite(compiled).all()
-    assert rel_err(eager, compiled) < 2e-2
-    ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    eager, ops = _traced_once(unet)
+    assert eager.dtype == dtype
     assert ops.count("aten._scaled_mm.default") == len(done)
     assert not set(ops) & {"aten._local_scalar_dense.default", "aten.lift_fresh_copy.default"}
 
