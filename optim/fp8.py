@@ -426,8 +426,8 @@ class StaticFP8Linear(torch.nn.Module):
         self.register_buffer("input_scale", torch.tensor(x_scale, dtype=torch.float32, device=dev))
         self.register_buffer("input_scale_inv", torch.tensor(1.0 / x_scale, dtype=torch.float32, device=dev))
         b = linear.bias
-        half = self.out_dtype in (torch.float16, torch.bfloat16)
-        self.register_buffer("bias", None if b is None else b.detach().to(self.out_dtype if half else torch.float32))
+        self.half = self.out_dtype in (torch.float16, torch.bfloat16)     # cuBLAS adds the bias in fp16/bf16 only
+        self.register_buffer("bias", None if b is None else b.detach().to(self.out_dtype if self.half else torch.float32))
         self.input_amax = float(input_amax)
 
     @property
@@ -442,12 +442,13 @@ class StaticFP8Linear(torch.nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         q = (x2.float() * self.input_scale_inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        half = self.out_dtype in (torch.float16, torch.bfloat16)
         y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                             bias=self.bias if half else None, out_dtype=self.out_dtype)
-        if not half and self.bias is not None:
+                             bias=self.bias if self.half else None, out_dtype=self.out_dtype)
+        if self.half:
+            return y.reshape(*lead, self.out_features)
+        if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features).to(x.dtype if not half else self.out_dtype)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
 def _record_amax(module: torch.nn.Module, names: list[str], tokens: dict[str, int] | None = None):

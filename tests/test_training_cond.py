@@ -229,7 +229,8 @@ def test_nvlabs_dataset_json_is_matched_to_the_images_by_name(tmp_path, as_zip):
     labels, class_names = load_labels(source, "anything", len(images), names=names)
     assert class_names == ["0", "1", "2"] and labels.tolist() == [i % 3 for i in range(12)]
     # each image's red channel says its class: the labels belong to the pixels they were written for
-    assert np.array_equal(images[:, 0, 0, 0] // 80, labels)
+    # (a lossless PNG fill of 80·class; compared with a margin rather than exactly)
+    assert np.abs(images[:, 0, 0, 0].astype(np.int64) - 80 * labels).max() <= 2
 
 
 @pytest.mark.parametrize("doc, names, msg", [

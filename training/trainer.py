@@ -135,7 +135,7 @@ def labels_source(cfg) -> str:
     """Where a conditional run reads its labels: --labels, else the data set's own NVlabs dataset.json."""
     if cfg.labels:
         text = str(cfg.labels)
-        return text if "!" in text else str(resolve_data_path(text))
+        return text if ".zip!" in text.lower() else str(resolve_data_path(text))   # archive.zip!dataset.json
     from training.dataset import nvlabs_labels_source
 
     found = nvlabs_labels_source(resolve_data_path(cfg.data)) if cfg.data else None
