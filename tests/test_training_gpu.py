@@ -118,3 +118,33 @@ def test_conditional_training_on_the_gpu_keeps_labels_with_images_and_never_sync
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(tr.stats).all()
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_fast_training_path_follows_the_fp32_reference(tmp_path, compile_):
+    """The trainer's GPU path (bf16 autocast, channels_last, the training op formulations; compiled or not)
+    on the wide emoji network gives the image, D's logits, R1's input gradient and every G and D parameter
+    gradient of the fp32 reference ops on the same weights and batch, up to bf16 rounding (the CPU tests
+    compare the reference with NVlabs' code). The report is kept under $OUT when the device sets it."""
+    import os
+
+    from training.parity import format_report, path_parity
+
+    cfg = build_config("emoji64", data=_data(tmp_path), out=str(tmp_path / "p"), kimg=1, batch=32, progress=False,
+                       style_mixing=0, cbase=8192, cmax=256, compile=compile_)
+    tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
+    rep = path_parity(tr, batch=32)
+    text = format_report(rep)
+    if os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], f"training-parity-{'compiled' if compile_ else 'eager'}.json")
+        with open(out, "w") as f:
+            json.dump(rep, f, indent=1)
+    rows = rep["rows"]
+    assert rows["image"]["cos"] > 0.999 and rows["d_logits"]["rel"] < 0.05, text
+    assert rows["r1_grad"]["cos"] > 0.98, text
+    for grp, bound in (("G", 0.98), ("D", 0.98), ("R1", 0.95)):
+        assert rep["groups"][grp]["cos"] > bound, text
+    weights = {k: v for k, v in rows.items() if k.endswith("weight") and v["numel"] >= 256 and v["norm"] > 0}
+    assert len(weights) > 30
+    bent = {k: round(v["cos"], 4) for k, v in weights.items() if not v["cos"] > 0.9}
+    assert not bent, f"{bent}\n{text}"
