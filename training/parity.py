@@ -158,7 +158,9 @@ def path_parity(trainer, batch: int = 16, seed: int = 0) -> dict[str, Any]:
         rows[name] = _compare(fast[name], want)
     # noise strengths are held at 0: their gradients depend on each side's own random noise draw
     comparable = {k: v for k, v in rows.items() if "noise_strength" not in k}
-    worst = sorted(comparable.items(), key=lambda kv: (kv[1]["cos"] if kv[1]["cos"] == kv[1]["cos"] else -2))[:10]
+    # a parameter whose reference gradient is exactly zero (D's 4x4 biases under R1) has no direction
+    finite = {k: v for k, v in comparable.items() if v["cos"] == v["cos"]}
+    worst = sorted(finite.items(), key=lambda kv: kv[1]["cos"])[:10]
     groups = {}
     for grp in ("G", "D", "R1"):
         names = [k for k in comparable if k.startswith(grp + ".") and k in fast]
