@@ -10,7 +10,8 @@
 #                (setsid: it outlives this call while the machine stays held); TRAIN_MINUTES budget
 #   wait         follow the run for WAIT_SECONDS (default 540), then copy its latest grid, log and
 #                newest G_ema snapshot to $OUT (WAIT_CKPT=1: the whole resumable checkpoint and the log instead,
-#                7 files, 8 with a `tests` log: put them in training_state/emoji64 here and pack_training_state.sh packs them)
+#                7 files, 8 with a `tests` log: put them in training_state/emoji64 here and pack_training_state.sh packs them;
+#                WAIT_CKPT=compact: the travel form, fp16 networks without Adam moments, 4 files, 34 MiB for the wide network)
 #   tests        the trainer's GPU tests (log under $OUT), run beside the training
 #   finish       wait for the run to end (STOP_NOW=1: SIGTERM it first), export G_ema (fp16) + grid + model card, the emoji metric
 #                over every snapshot, a samples-vs-kimg strip; small files packed in $OUT/small.tgz
@@ -66,7 +67,17 @@ EOF
       # a call returns at most 8 files: with the checkpoint's 6 and a `tests` log, samples.png would be the
       # ninth and push one checkpoint file out (state.json was the one lost on 2026-12-03)
       [ "${WAIT_CKPT:-0}" = 1 ] || cp "$RUN/samples.png" "$OUT/" 2>/dev/null
-      if [ "${WAIT_CKPT:-0}" = 1 ]; then
+      if [ "${WAIT_CKPT:-0}" = compact ]; then
+        # the travel form (training/checkpoint.py compact_checkpoint): G, G_ema, D in fp16, no Adam moments
+        # (34 MiB and 4 files for the wide network, against 160 MiB and 14): it goes back up with a later
+        # call (pack_training_state.sh FROM=..., carry [".device_ckpt"], `unpack`) and --resume continues it
+        for try in 1 2 3; do
+          rm -rf "$RUN-compact"
+          python3 scripts/train_default_model.py --compact "$RUN" --compact-to "$RUN-compact" && break
+          sleep 10    # the trainer was writing a newer checkpoint: its hashes did not match yet
+        done
+        cp "$RUN-compact"/* "$OUT/" 2>/dev/null
+      elif [ "${WAIT_CKPT:-0}" = 1 ]; then
         # the whole resumable checkpoint (state.json + G, G_ema, D, opt_G, opt_D: 6 files, 44 MiB for
         # emoji64), so a machine lost before `finish` costs only the kimg since the last checkpoint;
         # copied again if the trainer saved a newer one meanwhile (state.json changed)

@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot", default=None, metavar="KIMG|FILE",
                     help="with --export: export this G_ema snapshot of the run (a kimg such as 3400, a name in "
                          "RUN/snapshots, or a file) instead of the last checkpoint's G_ema")
+    ap.add_argument("--compact", default=None, metavar="RUN",
+                    help="write RUN's checkpoint in travel form to --compact-to: 16-bit G, G_ema and D, no optimizer "
+                         "moments (about a fifth of the size); --resume continues from it with Adam started afresh")
+    ap.add_argument("--compact-to", default=None, metavar="DIR")
     ap.add_argument("--to", default=str(ROOT / "assets" / "models" / "emoji64"))
     ap.add_argument("--grid", default=str(ROOT / "docs" / "images" / "emoji64_grid.png"))
     args, rest = ap.parse_known_args(argv)
@@ -54,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.snapshot is not None and args.export is None:
             raise InputError("--snapshot picks what --export writes: give it with --export [RUN]")
+        if args.compact is not None:
+            from training.checkpoint import compact_checkpoint
+
+            if not args.compact_to:
+                raise InputError("--compact RUN needs --compact-to DIR (a new folder; RUN stays as it is)")
+            sizes = compact_checkpoint(args.compact, args.compact_to)
+            print(json.dumps({"to": args.compact_to, "mib": {k: round(v / 2**20, 2) for k, v in sizes.items()}}))
+            return 0
         if args.export is not None:
             from training.export import export_run
 

@@ -212,3 +212,44 @@ def load_checkpoint(folder: str | Path) -> tuple[dict[str, Any], dict[str, dict[
     verify(folder, doc)
     tensors = {name: load_tensors(folder, fl) for name, fl in doc["files"].items()}
     return doc, tensors
+
+
+# -- travel form ----------------------------------------------------------------------------------
+
+COMPACT_DROPPED = ("opt_G", "opt_D")
+
+
+def compact_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float16",
+                       max_file_bytes: int | None = 15 * 2**20) -> dict[str, int]:
+    """A smaller copy of the checkpoint in `src` for moving a run between machines: G, G_ema and D
+    in 16-bit floats (`dtype` float16 or bfloat16), no optimizer moments; everything else in
+    state.json (counters, sampler, ADA, monitor, config) as it was. Resuming from it continues the run
+    with Adam's moments started afresh (see Trainer._load). Returns {file name: bytes}.
+
+    Why this is enough for the StyleGAN2 recipe: with beta1 = 0, Adam's first moment is the last
+    gradient and carries nothing over; the second moment is re-estimated with bias correction from the
+    first step, whose update is then lr * sign(g), the size of an ordinary step."""
+    if dtype not in ("float16", "bfloat16"):
+        raise InputError(f"a compact checkpoint stores float16 or bfloat16; got {dtype!r}")
+    src, dst = Path(src), Path(dst)
+    doc, tensors = load_checkpoint(src)
+    if doc.get("compact"):
+        raise InputError(f"{src} is already a compact checkpoint")
+    if src.resolve() == dst.resolve():
+        raise InputError("write the compact checkpoint to another folder; the full one stays as it is")
+    dst.mkdir(parents=True, exist_ok=True)
+    t = getattr(torch, dtype)
+    files: dict[str, list[str]] = {}
+    for name, tens in tensors.items():
+        if name in COMPACT_DROPPED:
+            continue
+        small = {k: (v.to(t) if v.is_floating_point() else v) for k, v in tens.items()}
+        files[name] = save_tensors(small, dst, name, max_file_bytes)
+    listing = {f: {"bytes": (dst / f).stat().st_size, "sha256": _sha256(dst / f)} for fl in files.values() for f in fl}
+    out = dict(doc)
+    out.update(files=files, listing=listing, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               compact={"dtype": dtype, "dropped": list(COMPACT_DROPPED), "from_saved_at": doc.get("saved_at")})
+    tmp = dst / f".{STATE_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(out, indent=1, allow_nan=True))
+    os.replace(tmp, dst / STATE_FILE)
+    return {f: v["bytes"] for f, v in listing.items()}

@@ -786,8 +786,17 @@ class Trainer:
         load_state_strict(self.G, tensors["G"], "generator (G) of the checkpoint")
         load_state_strict(self.G_ema, tensors["G_ema"], "generator (G_ema) of the checkpoint")
         load_state_strict(self.D, tensors["D"], "discriminator of the checkpoint")
-        ckpt.load_optimizer(self.opt_G, tensors["opt_G"], doc["optimizers"]["opt_G"], "G")
-        ckpt.load_optimizer(self.opt_D, tensors["opt_D"], doc["optimizers"]["opt_D"], "D")
+        compact = doc.get("compact")
+        if compact:
+            # A compact (travel) checkpoint: 16-bit networks, no optimizer moments. Adam starts afresh
+            # (training/checkpoint.py compact_checkpoint says why that is close to the full resume).
+            if self.cfg.optimizer != "stylegan2":
+                raise InputError(f"{folder} is a compact checkpoint (no optimizer state); only the stylegan2 "
+                                 f"optimizer (Adam, beta1 = 0) resumes from one, this run uses {self.cfg.optimizer}")
+            self.say(f"[resume] compact checkpoint ({compact.get('dtype')} networks): Adam's moments start afresh")
+        else:
+            ckpt.load_optimizer(self.opt_G, tensors["opt_G"], doc["optimizers"]["opt_G"], "G")
+            ckpt.load_optimizer(self.opt_D, tensors["opt_D"], doc["optimizers"]["opt_D"], "D")
         if self.retuned:
             # The saved param_groups carry the old learning rates and betas; the retuned recipe's win.
             for opt, (lr, betas) in zip((self.opt_G, self.opt_D), self._optimizer_settings()):
