@@ -1,6 +1,7 @@
 """One line per bench result (and the top kernels of each profiled one): the table a device call prints last.
 
     python3 -m bench.summary outputs/bench/bench.jsonl [more.jsonl ...]
+    python3 -m bench.summary --first-image outputs/bench/bench.jsonl   # a start's time to its first image, and where it went
 """
 from __future__ import annotations
 
@@ -41,5 +42,26 @@ def main(paths: list[str]) -> None:
                 print(f"      {k.get('ms', 0):7.3f} ms {k.get('calls')}x  {str(k.get('name'))[:110]}")
 
 
+def first_image(paths: list[str]) -> None:
+    """Per result: prepare (load, place, optimise) + first call = the time to a first image in a new process, and
+    the request graph's own account of that first call (AOT parts loaded or compiled, warm-up passes, capture)."""
+    for p in paths:
+        for line in open(p):
+            r = json.loads(line)
+            if r.get("type") != "result" or r.get("status") != "ok":
+                continue
+            prep, first = r.get("prepare_s"), r.get("first_call_s")
+            total = (prep or 0) + (first or 0)
+            print(f"{r['workload']} {r['config']}: first image {total:.1f} s = prepare {num(prep)} s + first call "
+                  f"{num(first)} s; steady call {num(r.get('call_ms'))} ms")
+            rg = (r.get("optimizations") or {}).get("request_graph") or {}
+            for k in ("aot", "record_s", "last_fallback", "failures"):
+                if rg.get(k):
+                    print(f"    {k}: {json.dumps(rg[k])[:600]}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--first-image"]:
+        first_image(sys.argv[2:])
+    else:
+        main(sys.argv[1:])

@@ -28,6 +28,8 @@ before recording, so nothing in the graph reads pageable host memory.
 from __future__ import annotations
 
 import inspect
+import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,6 +40,15 @@ import torch
 DETERMINISTIC = frozenset({"EulerDiscreteScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler",
                            "UniPCMultistepScheduler", "HeunDiscreteScheduler", "LMSDiscreteScheduler",
                            "PNDMScheduler"})
+# cuDNN's algorithm benchmark while a request is recorded: "1" (default) or "0", an A/B switch for the second
+# start's time (the benchmark runs again in every new process: nothing persists it).
+RECORD_CUDNN_BENCHMARK_ENV = "ATELIER_RECORD_CUDNN_BENCHMARK"
+
+
+def cudnn_benchmark_when_recording() -> bool:
+    return os.environ.get(RECORD_CUDNN_BENCHMARK_ENV, "1").strip() != "0"
+
+
 MAX_GRAPHS = 4          # shapes kept recorded (each holds its activations' memory pool); least recently used goes
 
 
@@ -110,6 +121,7 @@ class RecordedRequest:
         params = inspect.signature(self.scheduler.step).parameters
         self._step_kwargs = {"eta": 0.0} if "eta" in params else {}
         self.aot = aot                    # pipelines.aot_parts.AotParts: the parts ahead-of-time compiled, or None
+        self.record_s: dict = {}          # seconds of each warm-up pass and of the capture (record())
         self.graph: Any = None
         self.replays = 0
 
@@ -209,26 +221,36 @@ class RecordedRequest:
     def record(self) -> None:
         """Warm up (compiles what is compiled, autotunes) on a side stream, then record the graph.
 
-        cuDNN benchmarks its convolution algorithms during the warm-up (cudnn.benchmark, for this block only):
-        the graph then replays the fastest one it found for each of the VAE's and UNet's convolution shapes,
-        where the heuristic pick served the normal path."""
+        cuDNN benchmarks its convolution algorithms during the warm-up when RECORD_CUDNN_BENCHMARK is "1"
+        (cudnn.benchmark, for this block only): the graph then replays the fastest one it found for each of
+        the VAE's and UNet's convolution shapes, where the heuristic pick serves otherwise. `record_s` gets the
+        seconds of each warm-up pass and of the capture (the request graph's report shows them)."""
         if not self.capture:
             return
         from pipelines import switches
 
-        with torch.no_grad(), self.runtime(), switches.scoped(cudnn_benchmark=True):
+        bench = cudnn_benchmark_when_recording()
+        times = self.record_s
+        times["cudnn_benchmark"] = bench
+        with torch.no_grad(), self.runtime(), switches.scoped(cudnn_benchmark=bench):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for _ in range(2):
+                for i in range(2):
+                    t0 = time.perf_counter()
                     self._forward()
+                    side.synchronize()
+                    # the first pass loads AOT parts / compiles and autotunes; the second is a plain run
+                    times[f"warmup_{i + 1}"] = round(time.perf_counter() - t0, 3)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the studio's metrics thread may query the device while this thread records
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._forward()
         torch.cuda.synchronize(self.device)
+        times["capture"] = round(time.perf_counter() - t0, 3)
         self.graph = graph
 
     def run(self) -> tuple[Any, Any, bool]:

@@ -6,6 +6,7 @@
 #           its prepare_s + first_call_s is the time to a first image on a second start (WARM_CONFIGS: others;
 #           with ATELIER_REQUEST_GRAPH_AOT=1 exported for both parts, a request graph's parts are AOTInductor
 #           packages, loaded without tracing on the second start)
+#   warm0-W the same with cuDNN's algorithm benchmark off while the request is recorded (ATELIER_RECORD_CUDNN_BENCHMARK=0)
 #   save-W  write workload W's random weights to WEIGHTS=FOLDER (safetensors); with WEIGHTS set, every bench part
 #           loads that folder (--weights), so a second start reads its weights from disk as a real model's
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
@@ -36,14 +37,14 @@ for p in sys.argv[1:]:
         if p == "turbo": configs("sd-turbo-512", "TURBO_CONFIGS", "fp32,baseline,best")
         elif p == "sd15": configs("sd15-512", "SD15_CONFIGS", "fp32,baseline,best")
         elif p == "sdxl": configs("sdxl-1024", "SDXL_CONFIGS", "baseline,best,best-fp8")
-        elif p.startswith("warm-"): configs(p[5:], "WARM_CONFIGS", "best")
+        elif p.startswith(("warm-", "warm0-")): configs(p.split("-", 1)[1], "WARM_CONFIGS", "best")
         elif p.startswith("save-"):
             if get_workload(p[5:]).kind != "diffusion":
                 raise ValueError("not a diffusion workload")
             if not env.get("WEIGHTS"):
                 raise ValueError("needs WEIGHTS=FOLDER (outside $OUT)")
         elif p not in ("fp8", "tests", "rgtests"):
-            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, fp8, tests, rgtests)")
+            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tests, rgtests)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -66,7 +67,13 @@ for part in "$@"; do
               --out "${WEIGHTS:?save-W writes to WEIGHTS=FOLDER (outside \$OUT: a GB is too much to bring back)}" ;;
     warm-*) w=${part#warm-}   # best again in a new process, on the compile cache the run before filled
             share_ref $w "$OUT/warm-$w"
-            timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" --profile none --out "$OUT/warm-$w" ;;
+            timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" --profile none --out "$OUT/warm-$w"
+            python3 -m bench.summary --first-image "$OUT/warm-$w/bench.jsonl" ;;
+    warm0-*) w=${part#warm0-}   # the same, cuDNN's benchmark off while recording
+            share_ref $w "$OUT/warm0-$w"
+            ATELIER_RECORD_CUDNN_BENCHMARK=0 timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" \
+              --profile none --out "$OUT/warm0-$w"
+            python3 -m bench.summary --first-image "$OUT/warm0-$w/bench.jsonl" ;;
     sdxl) timeout ${SDXL_TIMEOUT:-560} $BENCH --workload sdxl-1024 --repeats ${SDXL_REPEATS:-3} \
             --configs "${SDXL_CONFIGS:-baseline,best,best-fp8}" --profile "${SDXL_PROFILE:-best}" --out "$OUT/sdxl" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"
