@@ -527,10 +527,21 @@ def _diffusion_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int
         runner: Any = _StockDiffusion(pipe, wl, batch, steps, device)
         row["optimizations"] = {"baseline": {"applied": True, "reason": wl.baseline}}
     else:
+        # where a start's preparation goes: importing diffusers' pipeline code, loading the weights (from disk
+        # with --weights), then the toggles (placing, casting, wrapping, FP8 calibration)
+        from pipelines.diffusion import _pipeline_class
+
+        _pipeline_class("sdxl" if wl.arch.startswith("sdxl") else "sd")
+        t_import = time.perf_counter()
         loaded = build.loaded_diffusion(wl, device, opts.seed, opts.weights, cfg.flags)
+        sync(device)
+        t_load = time.perf_counter()
         calib = getattr(loaded.pipe, "_atelier_calibration", None)
         with build.quiet_diffusers():
             product = DiffusionPipeline(loaded, cfg.flags, device)
+        sync(device)
+        row["prepare_parts_s"] = {"import": round(t_import - t0, 3), "load": round(t_load - t_import, 3),
+                                  "optimize": round(time.perf_counter() - t_load, 3)}
         row["optimizations"] = product.optimizations
         check_applied(cfg.flags, product.optimizations)
         runner = _ProductDiffusion(product, wl, cfg.flags, batch, steps, device)

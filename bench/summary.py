@@ -54,6 +54,8 @@ def first_image(paths: list[str]) -> None:
             total = (prep or 0) + (first or 0)
             print(f"{r['workload']} {r['config']}: first image {total:.1f} s = prepare {num(prep)} s + first call "
                   f"{num(first)} s; steady call {num(r.get('call_ms'))} ms")
+            if r.get("prepare_parts_s"):
+                print(f"    prepare: {json.dumps(r['prepare_parts_s'])}")
             rg = (r.get("optimizations") or {}).get("request_graph") or {}
             for k in ("aot", "record_s", "last_fallback", "failures"):
                 if rg.get(k):

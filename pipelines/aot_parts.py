@@ -80,6 +80,29 @@ class _Loaded(torch.nn.Module):
         return out[0] if isinstance(out, (list, tuple)) else out
 
 
+def _load(path: Path, device: torch.device) -> tuple[Any, str]:
+    """An AOTInductor package, loaded (second value: which loader).
+
+    A CUDA package is opened with AOTInductor's own loader class. `aoti_load_package` first collects "device
+    information" for an advisory mismatch warning, and that includes the host CPU's vector ISA, which inductor
+    finds by compiling test programs with the C++ compiler: on the H200 machine the first load in a process
+    took 41-49 s, of a second start's 61 s (docs/benchmarks/runs/2026-12-04-a-69790b0-sd15-aot-warm.jsonl;
+    pytorch/pytorch#191715). The ISA means nothing to a CUDA package's kernels, and nothing is checked on a
+    mismatch anyway. A CPU package's code is built for the ISA, so CPU packages keep the public path."""
+    if device.type == "cuda":
+        try:
+            from torch._inductor.package.package import AOTICompiledModel
+
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
+            return AOTICompiledModel(loader), "direct"
+        except (ImportError, AttributeError, TypeError):    # another torch's loader signature: the public path
+            pass
+    # run_single_threaded: without it every call after the first asks the CUDA driver whether the last
+    # one finished (cudaEventQuery on the container's own event), which is illegal while the request
+    # graph records: "operation not permitted when stream is capturing" (H200, 2026-12-03)
+    return torch._inductor.aoti_load_package(str(path), run_single_threaded=True), "aoti_load_package"
+
+
 def _signature(args: tuple) -> list:
     return [[list(a.shape), str(a.dtype), str(a.device), list(a.stride())] for a in args]
 
@@ -127,10 +150,7 @@ class AotParts:
             else:
                 entry["loaded_from_cache"] = True
             t1 = time.perf_counter()
-            # run_single_threaded: without it every call after the first asks the CUDA driver whether the last
-            # one finished (cudaEventQuery on the container's own event), which is illegal while the request
-            # graph records: "operation not permitted when stream is capturing" (H200, 2026-12-03)
-            compiled = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
+            compiled, entry["loader"] = _load(path, args[0].device)
             wanted = set(compiled.get_constant_fqns())
             # parameters and every buffer, non-persistent ones too (CLIP's position ids are not in a state dict);
             # check_full_update: a constant left unset is an error here, not a crash in the first call

@@ -40,13 +40,15 @@ import torch
 DETERMINISTIC = frozenset({"EulerDiscreteScheduler", "DDIMScheduler", "DPMSolverMultistepScheduler",
                            "UniPCMultistepScheduler", "HeunDiscreteScheduler", "LMSDiscreteScheduler",
                            "PNDMScheduler"})
-# cuDNN's algorithm benchmark while a request is recorded: "1" (default) or "0", an A/B switch for the second
-# start's time (the benchmark runs again in every new process: nothing persists it).
+# cuDNN's algorithm benchmark while a request is recorded: "0" (default) or "1". It runs again in every new
+# process (nothing persists it) and bought nothing on the H200: SD1.5 best-graph 339.4 ms with it against 335.9
+# without, 1 s more to the first image (docs/benchmarks/runs/2026-12-04-a-69790b0-sd15-aot-warm*.jsonl);
+# SD-Turbo picked other tiles at the same device time (2026-12-03-b-8c96da0-turbo-graph.jsonl).
 RECORD_CUDNN_BENCHMARK_ENV = "ATELIER_RECORD_CUDNN_BENCHMARK"
 
 
 def cudnn_benchmark_when_recording() -> bool:
-    return os.environ.get(RECORD_CUDNN_BENCHMARK_ENV, "1").strip() != "0"
+    return os.environ.get(RECORD_CUDNN_BENCHMARK_ENV, "0").strip() == "1"
 
 
 MAX_GRAPHS = 4          # shapes kept recorded (each holds its activations' memory pool); least recently used goes
@@ -221,7 +223,7 @@ class RecordedRequest:
     def record(self) -> None:
         """Warm up (compiles what is compiled, autotunes) on a side stream, then record the graph.
 
-        cuDNN benchmarks its convolution algorithms during the warm-up when RECORD_CUDNN_BENCHMARK is "1"
+        cuDNN benchmarks its convolution algorithms during the warm-up when ATELIER_RECORD_CUDNN_BENCHMARK is "1"
         (cudnn.benchmark, for this block only): the graph then replays the fastest one it found for each of
         the VAE's and UNet's convolution shapes, where the heuristic pick serves otherwise. `record_s` gets the
         seconds of each warm-up pass and of the capture (the request graph's report shows them)."""

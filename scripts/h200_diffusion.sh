@@ -6,7 +6,8 @@
 #           its prepare_s + first_call_s is the time to a first image on a second start (WARM_CONFIGS: others;
 #           with ATELIER_REQUEST_GRAPH_AOT=1 exported for both parts, a request graph's parts are AOTInductor
 #           packages, loaded without tracing on the second start)
-#   warm0-W the same with cuDNN's algorithm benchmark off while the request is recorded (ATELIER_RECORD_CUDNN_BENCHMARK=0)
+#   warm0-W the same with the other setting of cuDNN's algorithm benchmark while the request is recorded
+#           (ATELIER_RECORD_CUDNN_BENCHMARK=1; off by default since 2026-12-04)
 #   save-W  write workload W's random weights to WEIGHTS=FOLDER (safetensors); with WEIGHTS set, every bench part
 #           loads that folder (--weights), so a second start reads its weights from disk as a real model's
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
@@ -69,9 +70,9 @@ for part in "$@"; do
             share_ref $w "$OUT/warm-$w"
             timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" --profile none --out "$OUT/warm-$w"
             python3 -m bench.summary --first-image "$OUT/warm-$w/bench.jsonl" ;;
-    warm0-*) w=${part#warm0-}   # the same, cuDNN's benchmark off while recording
+    warm0-*) w=${part#warm0-}   # the same, cuDNN's benchmark on while recording (off by default)
             share_ref $w "$OUT/warm0-$w"
-            ATELIER_RECORD_CUDNN_BENCHMARK=0 timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" \
+            ATELIER_RECORD_CUDNN_BENCHMARK=1 timeout ${WARM_TIMEOUT:-200} $BENCH --workload $w --configs "${WARM_CONFIGS:-best}" \
               --profile none --out "$OUT/warm0-$w"
             python3 -m bench.summary --first-image "$OUT/warm0-$w/bench.jsonl" ;;
     sdxl) timeout ${SDXL_TIMEOUT:-560} $BENCH --workload sdxl-1024 --repeats ${SDXL_REPEATS:-3} \
