@@ -68,6 +68,7 @@ class Merged:
     workloads: dict[str, dict] = field(default_factory=dict)
     results: dict[tuple[str, int, str], dict] = field(default_factory=dict)   # (workload, batch, config) -> row
     order: dict[str, list[str]] = field(default_factory=dict)                 # workload -> configs, first-seen order
+    starts: dict[str, list[dict]] = field(default_factory=dict)  # workload -> rows of starts from disk
 
 
 def merge(rows: Iterable[dict]) -> Merged:
@@ -89,6 +90,8 @@ def merge(rows: Iterable[dict]) -> Merged:
                 started[(r.get("run_id"),) + key] = r
                 continue
             finished.add((r.get("run_id"),) + key)
+            if r.get("status") == "ok" and is_start_from_disk(r, m.runs.get(r.get("run_id"), {})):
+                m.starts.setdefault(r["workload"], []).append(r)
             prev = m.results.get(key)
             if prev is None or r.get("status") == "ok" or prev.get("status") != "ok":
                 m.results[key] = r
@@ -98,6 +101,40 @@ def merge(rows: Iterable[dict]) -> Merged:
             m.results[key] = {**r, "type": "result", "status": "unfinished",
                               "reason": "started but wrote no result: the run was killed or timed out during this case"}
     return m
+
+
+def is_start_from_disk(row: dict, run: dict) -> bool:
+    """A result whose run loaded its weights from disk (`--weights`): its prepare + first call is a start's time
+    to its first image, as a user's start would be (random weights drawn in-process are not a load)."""
+    return "--weights" in str(run.get("command", "")) and num(row.get("prepare_s")) is not None \
+        and num(row.get("first_call_s")) is not None
+
+
+def start_kind(row: dict) -> str:
+    """'second start (warm cache)', 'first start (cold cache)', or 'start' when the row does not say. The
+    request graph's AOT parts say it outright; otherwise a first call within 30 s of the steady one is warm."""
+    aot = ((row.get("optimizations") or {}).get("request_graph") or {}).get("aot") or {}
+    if aot:
+        if all(e.get("loaded_from_cache") for e in aot.values()):
+            return "second start (warm cache)"
+        if any("compiled_s" in e for e in aot.values()):
+            return "first start (cold cache)"
+    compile_s = num(row.get("compile_s"))
+    if compile_s is not None:
+        return "second start (warm cache)" if compile_s < 30 else "first start (cold cache)"
+    return "start"
+
+
+def _starts_table(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        parts = r.get("prepare_parts_s") or {}
+        split = ", ".join(f"{k} {_f(v)}" for k, v in parts.items()) if parts else "–"
+        total = num(r.get("prepare_s")) + num(r.get("first_call_s"))
+        out.append([f"`{r['config']}`", start_kind(r), _f(total), _f(r.get("prepare_s")), split,
+                    _f(r.get("first_call_s")), f"`{str(r.get('_source', '')).split(':')[0]}`"])
+    return _table(["config", "start", "first image (s)", "prepare (s)", "of which import / load / optimize (s)",
+                   "first call (s)", "run file"], out)
 
 
 # ==========================================================================================================
@@ -377,6 +414,10 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                            else f"missed by {pct:.0f}% — {t['limit']}")
                 trows.append([t["target"], f"`{t['config']}` (batch {t['batch']})", shown, verdict])
             lines += _table(["target", "best row", "measured", "verdict"], trows) + [""]
+        if m.starts.get(w):
+            lines += ["Time to a first image, weights read from disk (prepare = import the pipeline code, load, apply "
+                      "the toggles; first call = compile or load compiled parts, record, run):", ""]
+            lines += _starts_table(sorted(m.starts[w], key=lambda r: str(r.get("run_id", "")))) + [""]
         profiled = [(c, b, m.results[(w, b, c)]) for b in batches for c in configs
                     if (w, b, c) in m.results and m.results[(w, b, c)].get("profile")]
         if profiled:

@@ -291,6 +291,15 @@ def test_save_random_writes_a_folder_the_bench_loads_as_real_weights(tmp_path, c
     ref = {k: np.load(next((tmp_path / k / "reference").glob("*.npz")))["images"].astype(np.float64)
            for k in ("random", "file")}
     assert ref["random"].std() > 10 and np.abs(ref["random"] - ref["file"]).mean() < 0.5
+    # where the start's preparation went, and the report's table of starts: the run from disk only
+    parts = res["file"]["prepare_parts_s"]
+    assert sorted(parts) == ["import", "load", "optimize"] and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) <= res["file"]["prepare_s"] + 0.05
+    from bench.report import merge, read_jsonl, render_markdown
+
+    text = render_markdown(merge([r for k in ("random", "file") for r in read_jsonl(tmp_path / k / "bench.jsonl")]))
+    starts = text[text.index("Time to a first image"):].split("\n\n")[1].splitlines()[2:]
+    assert len(starts) == 1 and starts[0].startswith("| `fp32` |") and "load " in starts[0], starts
 
 
 def test_the_h200_diffusion_script_refuses_a_bad_plan_before_any_gpu_work(tmp_path):
@@ -305,7 +314,7 @@ def test_the_h200_diffusion_script_refuses_a_bad_plan_before_any_gpu_work(tmp_pa
         return subprocess.run(["bash", "scripts/h200_diffusion.sh", *parts], cwd=root, env={**env, **extra},
                               capture_output=True, text=True, timeout=300)
 
-    good = plan("save-sd15-512", "sd15", "warm-sd15-512", "tests", WEIGHTS=str(tmp_path / "w"),
+    good = plan("save-sd15-512", "sd15", "warm-sd15-512", "warm0-sd15-512", "tests", WEIGHTS=str(tmp_path / "w"),
                 SD15_CONFIGS="best-graph", SDXL_CONFIGS="best,mine@precision=bf16+fp8=1")
     assert good.returncode == 0 and "preflight ok" in good.stdout, good.stdout + good.stderr
     bad = plan("warm-sd15", "sdxl", "save-sd15-512", "sd16", SDXL_CONFIGS="best,bestfp8")

@@ -248,3 +248,14 @@ def test_gpu_aot_parts_recorded_and_loaded_on_a_second_start(tiny_sd_sdxl, tmp_p
     assert all(e.get("loaded_from_cache") for e in entries[1].values()), entries[1]
     # CUDA packages through AOTInductor's loader class, without the public loader's ISA probe (41-49 s on the H200)
     assert all(e.get("loader") == "direct" for e in entries[1].values()), entries[1]
+
+
+def test_cudnn_benchmark_while_recording_is_off_unless_asked(monkeypatch):
+    """cuDNN's algorithm benchmark during recording bought nothing on the H200 and cost a second start time
+    (2026-12-04 runs): off by default, ATELIER_RECORD_CUDNN_BENCHMARK=1 turns it on."""
+    monkeypatch.delenv(rgraph.RECORD_CUDNN_BENCHMARK_ENV, raising=False)
+    assert rgraph.cudnn_benchmark_when_recording() is False
+    monkeypatch.setenv(rgraph.RECORD_CUDNN_BENCHMARK_ENV, "1")
+    assert rgraph.cudnn_benchmark_when_recording() is True
+    monkeypatch.setenv(rgraph.RECORD_CUDNN_BENCHMARK_ENV, "0")
+    assert rgraph.cudnn_benchmark_when_recording() is False
