@@ -82,6 +82,11 @@ class ModelManager:
     def _load(self, request: GenerationRequest, entry, device: torch.device):
         import time
 
+        from pipelines import preload
+
+        # no model load imports alongside the studio's background import of diffusers (its modules pull in
+        # torch._dynamo, which a compiled StyleGAN load would import too): it waits until that is done
+        preload.wait()
         t0 = time.perf_counter()
         oom = None
         try:

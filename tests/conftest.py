@@ -14,6 +14,11 @@ TESTDATA = SHARED / "testdata"
 if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The studio imports diffusers in a background thread once it serves (pipelines/preload.py). In this process
+# tests import diffusers themselves at any moment, so the UI tests' in-process servers leave it off; the
+# subprocess tests in tests/test_preload.py turn it on explicitly.
+os.environ.setdefault("ATELIER_PRELOAD", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

@@ -471,6 +471,9 @@ def serve(services: Services, *, host: str | None = None, port: int | None = Non
     demo.atelier_login_limiter = limiter
     mount_metrics(demo)
     mount_probes(demo)
+    from pipelines import preload
+
+    preload.start()       # diffusers' import in the background, once the studio is serving (ATELIER_PRELOAD=0: off)
     if s.warmup:
         demo.atelier_runtime.start_warmup()
     from ui.a1111_api import mount_a1111_api
