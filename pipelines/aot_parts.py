@@ -12,9 +12,15 @@ The packages hold no weights (`aot_inductor.package_constants_in_so=False`): aft
 own parameters are handed over with `load_constants(..., user_managed=True)`, so nothing is copied and a
 package never disagrees with the weights in memory (its key has the weights' hash too).
 
-Opt-in, as an A/B switch until it is measured on the H200: `ATELIER_REQUEST_GRAPH_AOT=1`. Off, or if
-exporting or compiling a part fails (reported, then the torch.compile'd / eager part is used), nothing
-changes.
+`ATELIER_REQUEST_GRAPH_AOT`:
+- `auto` (the default): a part whose package is in the cache is loaded from it; none is built. Without
+  packages nothing changes, so a start never pays for building them unasked.
+- `1`: missing packages are exported and compiled on the first request of a shape (a first start of SD1.5
+  took 220 s to its first image on the H200, against a 54 s first call without them), then loaded on every
+  later start (its first call: 3.1 s). Build them once where the cache persists, e.g. with one
+  `ATELIER_REQUEST_GRAPH_AOT=1 python app.py generate ... --request-graph` per model and size.
+- `0`: never used.
+If exporting or compiling a part fails (reported), the torch.compile'd / eager part is used.
 """
 from __future__ import annotations
 
@@ -31,8 +37,23 @@ import torch
 ENV = "ATELIER_REQUEST_GRAPH_AOT"
 
 
+MODES = ("auto", "1", "0")
+
+
+def mode() -> str:
+    """'auto' (load packages the cache has), '1' (build missing ones too) or '0' (off); see the module doc."""
+    raw = os.environ.get(ENV, "").strip().lower() or "auto"
+    return {"on": "1", "true": "1", "yes": "1", "off": "0", "false": "0", "no": "0"}.get(raw, raw)
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip() == "1"
+    """Whether AOT parts may serve at all (mode 'auto' or '1'). An unknown value turns them off, and the
+    request graph's report says so (`aot_note`)."""
+    return mode() in ("auto", "1")
+
+
+AUTO_NOTE = ("AOT parts: loaded from the cache when it has them (none built unasked); "
+             f"{ENV}=1 builds them on the first request of a shape")
 
 
 def _eager(module: Any) -> torch.nn.Module:
@@ -120,21 +141,25 @@ class AotParts:
     `report` (the request graph's report) gets, per part and shape, whether it was compiled (and how long
     it took) or loaded from the cache, or why it failed."""
 
-    def __init__(self, cache_dir: Path, ident: str, flags_json: str, report: dict):
+    def __init__(self, cache_dir: Path, ident: str, flags_json: str, report: dict, build: bool | None = None):
         self.dir = Path(cache_dir) / "aoti"
         self.ident = ident
         self.flags_json = flags_json
         self.report = report
+        self.build = (mode() == "1") if build is None else bool(build)   # False: load what the cache has, build nothing
         self._parts: dict[str, Callable] = {}
 
     def _get(self, kind: str, wrapper: torch.nn.Module, args: tuple) -> Callable | None:
         key = _key(kind, wrapper, args, self.ident, self.flags_json)
-        got = self._parts.get(key)
-        if got is not None:
-            return got
+        if key in self._parts:
+            return self._parts[key]
+        path = self.dir / f"{kind}-{key}.pt2"
+        if not self.build and not path.is_file():      # auto: the torch.compile'd / eager part, as without AOT
+            self.report.setdefault("aot_note", AUTO_NOTE)
+            self._parts[key] = None
+            return None
         entry: dict = {}
         self.report.setdefault("aot", {})[f"{kind} {'x'.join(str(s) for s in args[0].shape)}"] = entry
-        path = self.dir / f"{kind}-{key}.pt2"
         t0 = time.perf_counter()
         try:
             wrapper.eval()

@@ -1120,10 +1120,13 @@ class DiffusionPipeline:
         return rgraph.scheduler_reason(view.scheduler)
 
     def _aot_parts(self, rep: dict):
-        """The ahead-of-time compiled parts (ATELIER_REQUEST_GRAPH_AOT=1, pipelines/aot_parts.py), or None."""
+        """The ahead-of-time compiled parts (ATELIER_REQUEST_GRAPH_AOT: auto / 1, pipelines/aot_parts.py), or None."""
         from pipelines import aot_parts
 
         if not aot_parts.enabled():
+            if aot_parts.mode() not in aot_parts.MODES:
+                rep["aot_note"] = (f"{aot_parts.ENV}={aot_parts.mode()!r} is not one of auto, 1, 0: "
+                                   "AOT parts are off")
             return None
         if getattr(self, "_aot", None) is None:
             from optim.registry import default_cache_dir

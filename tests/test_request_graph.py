@@ -198,30 +198,46 @@ def test_studio_controls_carry_the_toggle_and_a_png_restores_it():
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="AOTInductor needs a C++ compiler")
 def test_aot_parts_compile_once_and_a_second_start_loads_them(tiny_sd_sdxl, tmp_path, monkeypatch):
-    """ATELIER_REQUEST_GRAPH_AOT=1: the recorded request's text encoder, UNet and VAE decoder come from
-    AOTInductor packages (compiled on the first start, loaded with the model's own weights on the next), and
-    the image is still the normal path's."""
+    """ATELIER_REQUEST_GRAPH_AOT: by default (auto) a start uses the packages the cache has and builds none;
+    with 1 the recorded request's text encoder, UNet and VAE decoder are compiled into AOTInductor packages on
+    the first start; later starts load them with the model's own weights (auto does too, 0 does not), and the
+    image is the normal path's throughout."""
     from pipelines import aot_parts
 
-    monkeypatch.setenv(aot_parts.ENV, "1")
     folder = str(tiny_sd_sdxl["sd"])
     normal = DiffusionPipeline(load_diffusion(folder), OptimizationFlags(), CPU)
     want = _gen(normal, steps=1, guidance=0.0)
     reports = []
-    for start in range(2):
+    for env in ("", "1", "", "0"):          # auto on an empty cache, build, auto again, off
+        monkeypatch.setenv(aot_parts.ENV, env)
         sd = DiffusionPipeline(load_diffusion(folder), OptimizationFlags(), CPU, cache_dir=tmp_path)
         sd._request_graph_mode = "eager"
         got = _gen(sd, steps=1, guidance=0.0)
         rep = got.optimizations["request_graph"]
         assert rep.get("last_fallback") is None, rep
         np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=1e-4)
-        reports.append(rep["aot"])
-    assert sorted(k.split()[0] for k in reports[0]) == ["text_encoder", "unet", "vae_decoder"], reports[0]
-    assert all("compiled_s" in e and "failed" not in e for e in reports[0].values()), reports[0]
-    assert all(e.get("loaded_from_cache") and "compiled_s" not in e for e in reports[1].values()), reports[1]
+        reports.append(rep)
+    auto_empty, built, auto_loaded, off = reports
+    assert "aot" not in auto_empty and auto_empty["aot_note"] == aot_parts.AUTO_NOTE, auto_empty
+    built, auto_loaded = built["aot"], auto_loaded["aot"]
+    assert sorted(k.split()[0] for k in built) == ["text_encoder", "unet", "vae_decoder"], built
+    assert all("compiled_s" in e and "failed" not in e for e in built.values()), built
+    assert sorted(auto_loaded) == sorted(built)
+    assert all(e.get("loaded_from_cache") and "compiled_s" not in e for e in auto_loaded.values()), auto_loaded
     # a CPU package's code is built for the host's ISA: the public loader, with its device check, opens it
-    assert all(e.get("loader") == "aoti_load_package" for e in reports[1].values()), reports[1]
+    assert all(e.get("loader") == "aoti_load_package" for e in auto_loaded.values()), auto_loaded
+    assert "aot" not in off and "aot_note" not in off, off
     assert len(list((tmp_path / "aoti").glob("*.pt2"))) == 3
+
+
+def test_aot_mode_values(monkeypatch):
+    from pipelines import aot_parts
+
+    for raw, want in (("", "auto"), ("auto", "auto"), ("1", "1"), ("on", "1"), ("0", "0"), ("false", "0")):
+        monkeypatch.setenv(aot_parts.ENV, raw)
+        assert aot_parts.mode() == want and aot_parts.enabled() is (want != "0")
+    monkeypatch.setenv(aot_parts.ENV, "2")
+    assert aot_parts.mode() == "2" and not aot_parts.enabled()
 
 
 @pytest.mark.gpu
