@@ -82,7 +82,7 @@ for part in "$@"; do
            ATELIER_FP8_MIN_FEATURES=$f timeout ${FP8_TIMEOUT:-200} $BENCH --workload sd15-512 --profile none \
              --configs "best-fp8-$f@$(flags_of_best sd15-512)+fp8=1" --out "$OUT/fp8"
          done ;;
-    tests) timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
+    tests) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
              tests/test_diffusion_overlap.py tests/test_optim_precision.py tests/test_optim_fp8.py \
              tests/test_optim_compile.py tests/test_diffusion.py tests/test_bench_gpu.py tests/test_request_graph.py \
              -k "not stylegan" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
