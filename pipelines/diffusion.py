@@ -84,9 +84,6 @@ def load_diffusion(model_ref: str, device: torch.device | str | None = None, dty
     folder for a single file (a diffusers-layout folder of JSON configs). Weights are checked for NaN/Inf
     unless `check_weights` is False. With `device` the pipeline is moved there; otherwise it stays on the CPU.
     """
-    from pipelines import preload
-
-    preload.wait()        # every loader path below imports diffusers; never alongside the background import
     ref = str(model_ref or "").strip()
     if not ref:
         raise ModelLoadError("no diffusion model given: name a Hugging Face id (e.g. stabilityai/sd-turbo), "
@@ -131,7 +128,8 @@ def _looks_like_path(ref: str) -> bool:
 def _diffusers():
     from pipelines import preload
 
-    preload.wait()              # the studio's background import (pipelines/preload.py), if one is running
+    # every path that imports diffusers comes through here: never alongside the studio's background import
+    preload.wait()
     import diffusers            # imported on first use: it is slow to import and the StyleGAN path never needs it
 
     return diffusers
