@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg = p.add_argument_group("sampling with --model")
     sg.add_argument("--seed-start", type=int, default=0, help="first seed; images use seeds seed-start .. +num-1")
     sg.add_argument("--truncation", type=float, default=1.0, help="truncation ψ (1 = none, as for FID)")
-    sg.add_argument("--class-index", type=int, default=None)
+    sg.add_argument("--class", "--class-index", dest="class_index", default=None, metavar="CLASS",
+                    help="class of a class-conditional model: an index or a name from the model's file "
+                         "(e.g. face-smiling, animal-mammal); default: seed s draws class s %% classes")
     sg.add_argument("--gen-batch-size", type=int, default=16, help="images per generator call")
     add_optimization_args(p)
     return p

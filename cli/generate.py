@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--truncation", type=float, default=1.0, help="truncation ψ (1 = none)")
     sg.add_argument("--truncation-cutoff", type=int, default=None)
     sg.add_argument("--noise-mode", choices=["const", "random", "none"], default="const")
-    sg.add_argument("--class-index", type=int, default=None)
+    sg.add_argument("--class", "--class-index", dest="class_index", default=None, metavar="CLASS",
+                    help="class of a class-conditional model: an index or a name from the model's file "
+                         "(e.g. face-smiling, animal-mammal); default: seed s draws class s %% classes")
     sg.add_argument("--batch-size", type=positive_int, default=None,
                     help="images per forward pass (at least 1; default: 8 for StyleGAN, 1 for diffusion)")
     df = p.add_argument_group("diffusion")

@@ -118,7 +118,7 @@ class StyleGANParams:
     truncation_psi: float = 1.0
     truncation_cutoff: int | None = None
     noise_mode: str = "const"
-    class_index: int | None = None
+    class_index: int | str | None = None  # an index, or a class name the model's file lists (resolved by the pipeline)
     batch_size: int = 8                 # images per forward pass
 
     def __post_init__(self):
@@ -131,6 +131,14 @@ class StyleGANParams:
             raise InputError(f"noise mode must be one of {', '.join(NOISE_MODES)}; got {self.noise_mode!r}")
         if self.truncation_cutoff is not None and int(self.truncation_cutoff) < 0:
             raise InputError("truncation cutoff must be a non-negative layer count")
+        if isinstance(self.class_index, str):
+            text = self.class_index.strip()
+            object.__setattr__(self, "class_index", None if not text else int(text)
+                               if text.lstrip("+-").isdigit() else text)
+        elif self.class_index is not None:
+            if isinstance(self.class_index, float) and not float(self.class_index).is_integer():
+                raise InputError(f"class index must be a whole number; got {self.class_index}")
+            object.__setattr__(self, "class_index", int(self.class_index))
         if int(self.batch_size) < 1:
             raise InputError("batch size must be at least 1")
 

@@ -31,6 +31,42 @@ def seed_classes(c_dim: int, seeds) -> list[int]:
     return [int(s) % c_dim for s in seeds]
 
 
+def resolve_class(spec: int | str | None, c_dim: int, names: list[str] | None = None) -> int | None:
+    """The class index a user asked for: an index (0..c_dim-1) or a name from the model's file.
+
+    A name matches case-insensitively, as the full name ("Animals & Nature/animal-mammal"), as its last part
+    ("animal-mammal"), or as a piece of exactly one name ("mammal"). None stays None (the seed picks)."""
+    if spec is None:
+        return None
+    if c_dim <= 0:
+        raise InputError("this model is unconditional: leave the class empty")
+    if isinstance(spec, str) and spec.strip().lstrip("+-").isdigit():
+        spec = int(spec.strip())
+    if not isinstance(spec, str):
+        k = int(spec)
+        if not 0 <= k < c_dim:
+            listed = (" (" + ", ".join(f"{i} {n}" for i, n in enumerate((names or [])[:12]))
+                      + (", …" if len(names or []) > 12 else "") + ")") if names else ""
+            raise InputError(f"class index {k} is out of range: this model has {c_dim} classes (0..{c_dim - 1}){listed}")
+        return k
+    want = spec.strip().lower()
+    if not names:
+        raise InputError(f"this model's file names no classes, so {spec!r} cannot be looked up: give an index 0..{c_dim - 1}")
+    low = [str(n).lower() for n in names]
+    for candidates in ([i for i, n in enumerate(low) if n == want],
+                       [i for i, n in enumerate(low) if n.rsplit("/", 1)[-1] == want],
+                       [i for i, n in enumerate(low) if want in n]):
+        if len(candidates) == 1:
+            return candidates[0]
+        if len(candidates) > 1:
+            shown = ", ".join(f"{i} {names[i]}" for i in candidates[:8]) + (", …" if len(candidates) > 8 else "")
+            raise InputError(f"class {spec!r} matches {len(candidates)} classes ({shown}); give more of the name or an index")
+    import difflib
+    close = difflib.get_close_matches(want, [n.rsplit("/", 1)[-1] for n in low], n=4, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; the classes are {', '.join(names[:6])}, …"
+    raise InputError(f"no class of this model is called {spec!r}{hint}")
+
+
 def seed_class_labels(c_dim: int, seeds, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """One-hot class rows for a class-conditional generator drawn without a chosen class: seed s gets class
     s % c_dim, so each seed is one reproducible picture and a seed range walks through the classes (the studio,

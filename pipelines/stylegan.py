@@ -7,6 +7,7 @@ Seeds map to z exactly as NVlabs' gen_images.py does
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import Cancelled, InputError
 from core.types import GenerationRequest, GenerationResult, Job, OptimizationFlags, StyleGANParams
 from models import kernels as _kernels
-from models.common import seed_class_labels, seed_classes
+from models.common import resolve_class, seed_class_labels, seed_classes
 from optim.report import applied, ordered
 from pipelines import switches
 from pipelines.base import image_grid, module_bytes, to_uint8_array, to_uint8_images, uint8_to_images
@@ -49,20 +50,18 @@ class StyleGANPipeline:
         return switches.request_scope(self.flags, self.device, ops_impl=dict(self.kernels))
 
     # -- shape/range checks before any device work ---------------------------------
-    def check_inputs(self, p: StyleGANParams) -> None:
+    def check_inputs(self, p: StyleGANParams) -> StyleGANParams:
+        """Check `p` against the model and return it with its class resolved to an index (a class may be given
+        by name: models.common.resolve_class)."""
         G = self.loaded.G
-        if G.c_dim == 0 and p.class_index is not None:
-            raise InputError("this model is unconditional: leave the class empty")
         # A conditional model without a class: seed s draws class s % c_dim (recorded per image), so every seed
         # gives one reproducible picture and a seed range walks through the classes.
-        if G.c_dim > 0 and p.class_index is not None and not (0 <= int(p.class_index) < G.c_dim):
-            names = self.class_names()
-            listed = (" (" + ", ".join(f"{i} {n}" for i, n in enumerate(names[:12]))
-                      + (", …" if len(names) > 12 else "") + ")") if names else ""
-            raise InputError(f"class index {p.class_index} is out of range: this model has {G.c_dim} classes "
-                             f"(0..{G.c_dim - 1}){listed}")
+        k = resolve_class(p.class_index, int(G.c_dim), self.class_names())
+        if k != p.class_index:
+            p = replace(p, class_index=k)
         if p.truncation_cutoff is not None and int(p.truncation_cutoff) > G.num_ws:
             raise InputError(f"truncation cutoff {p.truncation_cutoff} exceeds the model's {G.num_ws} style layers")
+        return p
 
     def memory_bytes(self) -> int:
         return module_bytes(self.G) if isinstance(self.G, torch.nn.Module) else module_bytes(self.loaded.G)
@@ -104,7 +103,7 @@ class StyleGANPipeline:
         p = request.params
         assert isinstance(p, StyleGANParams)
         # 1. check inputs
-        self.check_inputs(p)
+        p = self.check_inputs(p)
         G = self.loaded.G
         reset_peak_memory(self.device)
         optim.set_status_callback(self.G, job.status)   # "compiling (first run for this size)"
@@ -143,6 +142,7 @@ class StyleGANPipeline:
             raise InputError("the generator produced non-finite values (NaN/Inf) with these settings; "
                              "try fp32 precision or a smaller truncation ψ")
         total_ms = sum(job.timings_ms.values())
+        names = self.class_names()
         meta_common = {
             "backend": "stylegan", "model": self.model_id, "model_hash": self.loaded.sha256[:10],
             "arch": self.loaded.arch, "truncation_psi": float(p.truncation_psi),
@@ -155,7 +155,8 @@ class StyleGANPipeline:
             images=images, raw=raw, timings_ms=dict(job.timings_ms), peak_memory_bytes=peak_memory_bytes(self.device),
             device=str(self.device), dtype=self.optimizations.get("precision", {}).get("mode", "fp32"),
             optimizations=self.optimizations,
-            metadata=[{**meta_common, "seed": s, "class_index": k}
+            metadata=[{**meta_common, "seed": s, "class_index": k,
+                       **({"class_name": names[k]} if k is not None and k < len(names) else {})}
                       for s, k in zip(seeds, self.classes_for(p.class_index, seeds))],
             notes=[f"stopped after {len(seeds)} of {len(p.seeds)} images"] if stopped else [], cancelled=stopped,
         )
@@ -165,7 +166,7 @@ class StyleGANPipeline:
                   job: Job | None = None):
         """Grid with the row seeds' styles on layers [lo, hi) mixed into the column seeds' styles.
         Returns (grid image, raw tensor [rows+1, cols+1, C, H, W] with the plain rows/columns included)."""
-        self.check_inputs(p)
+        p = self.check_inputs(p)
         G = self.loaded.G
         lo, hi = int(layers[0]), int(layers[1])
         if not (0 <= lo < hi <= G.num_ws):
@@ -200,7 +201,7 @@ class StyleGANPipeline:
     def interpolate(self, seeds: list[int], frames_per_seed: int, p: StyleGANParams, space: str = "w",
                     job: Job | None = None) -> list:
         """Frames moving through `seeds` in order (looping back to the first)."""
-        self.check_inputs(p)
+        p = self.check_inputs(p)
         if len(seeds) < 2:
             raise InputError("interpolation needs at least two seeds")
         if not (2 <= frames_per_seed <= 240):

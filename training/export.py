@@ -237,8 +237,20 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
     if doc.get("exported_snapshot"):
         lines += [f"- Exported from the run's G_ema snapshot at {t['kimg']:.0f} kimg (`--snapshot`); the recipe "
                   "above is the run's at that point (its retunes from log.jsonl applied)."]
+    lines += [f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`."]
+    names = (meta.get("classes") or {}).get("names") or []
+    if names:
+        lines += [
+            "",
+            "## Classes",
+            "",
+            f"- Class-conditional: {len(names)} classes, from the data set's per-image labels "
+            f"(`{meta['classes'].get('key', 'class')}`). Choose one by index or by name (`--class-index 3`, "
+            "`--class face-hand`; the studio's Class box takes either); with none chosen, seed s is drawn "
+            f"with class s % {len(names)}, so a seed range walks through the classes.",
+            "- " + ", ".join(f"{i} {n}" for i, n in enumerate(names)) + ".",
+        ]
     lines += [
-        f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`.",
         "",
         "## Mode-collapse monitor (last evaluation)",
         "",

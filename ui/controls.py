@@ -79,6 +79,16 @@ def _opt_int(v) -> int | None:
     return int(f)
 
 
+def _opt_class(v) -> int | str | None:
+    """The Class box: empty = none (the seed picks), a whole number = an index, other text = a class name
+    the model's file lists (the pipeline resolves it and says which names exist when it does not match)."""
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return None
+    if isinstance(v, str) and not v.strip().lstrip("+-").replace(".", "", 1).isdigit():
+        return v.strip()
+    return _opt_int(v)
+
+
 def flags_from_controls(precision: str = "fp32", channels_last: bool = False, attention: str = "sdpa",
                         compile_mode: str = "off", fp8: bool = False, prune_amount: float = 0.0,
                         tensorrt: bool = False, memory_savers=(), prune_method: str = "l1-unstructured",
@@ -93,7 +103,7 @@ def flags_from_controls(precision: str = "fp32", channels_last: bool = False, at
 def stylegan_params(seed_text: str, psi: float, cutoff, noise_mode: str, class_index, batch_size) -> StyleGANParams:
     return StyleGANParams(seeds=parse_seeds(seed_text or "0"), truncation_psi=float(psi),
                           truncation_cutoff=_opt_int(cutoff) or None, noise_mode=noise_mode or "const",
-                          class_index=_opt_int(class_index), batch_size=max(1, _opt_int(batch_size) or 1))
+                          class_index=_opt_class(class_index), batch_size=max(1, _opt_int(batch_size) or 1))
 
 
 def diffusion_seed(seed_text: str) -> int:
