@@ -106,3 +106,39 @@ def test_cli_class_by_name_and_a_clear_error(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "no class of this model is called 'no-such-emoji'" in p.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_class_sheet_draws_one_labelled_panel_per_class(tmp_path):
+    """scripts/class_sheet.py: a panel per class, the same seeds in each, so panels differ only by class."""
+    import importlib.util
+
+    import torch
+
+    from models import stylegan2
+    from models.stylegan import save_generator
+
+    torch.manual_seed(3)
+    G = stylegan2.Generator(z_dim=8, c_dim=5, w_dim=8, img_resolution=16, img_channels=3,
+                            mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+    model = save_generator(G, tmp_path / "cond.safetensors", "stylegan2",
+                           metadata={"classes": {"key": "class", "names": [f"Group/c{i}" for i in range(5)]}})
+    spec = importlib.util.spec_from_file_location("class_sheet", ROOT / "scripts" / "class_sheet.py")
+    sheet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sheet)
+    png = tmp_path / "sheet.png"
+    assert sheet.main([str(model), str(png), "--seeds", "3", "--cols", "2", "--colors", "0"]) == 0
+    im = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    pad, label_h, res = 6, 14, 16
+    assert im.shape == (3 * (res + label_h + pad) + pad, 2 * (3 * res + pad) + pad, 3)   # 5 panels in 3 rows of 2
+
+    def panel(k):
+        x0, y0 = pad + (k % 2) * (3 * res + pad), pad + (k // 2) * (res + label_h + pad) + label_h
+        return im[y0:y0 + res, x0:x0 + 3 * res]
+
+    assert all(panel(k).std() > 1 for k in range(5))                     # every panel has a picture
+    assert np.abs(panel(0) - panel(1)).mean() > 0.5                       # another class, another picture
+    assert (im[-pad:, :] == 255).all()                                    # the margin stays white
+    with pytest.raises(InputError, match="unconditional"):
+        G0 = stylegan2.Generator(z_dim=8, c_dim=0, w_dim=8, img_resolution=16, img_channels=3,
+                                 mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+        sheet.main([str(save_generator(G0, tmp_path / "u.safetensors", "stylegan2")), str(tmp_path / "u.png")])

@@ -1,0 +1,72 @@
+"""What each class of a class-conditional StyleGAN draws: one labelled panel per class, N seeds each.
+
+    python3 scripts/class_sheet.py assets/models/emoji64.safetensors docs/images/emoji64_classes.png [--seeds 4 --cols 7]
+
+Seeds 0..N-1 at psi = 0.7 (the studio's seed -> z rule), every class drawn with the same seeds, so a row of a
+panel differs only by class. Panels are labelled with the last part of the class name the model's file records
+("face-smiling"), or the index when it names none: the names are what `--class` and the studio's Class box take.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a class-conditional generator (.safetensors / .pkl)")
+    ap.add_argument("out", help="PNG to write")
+    ap.add_argument("--seeds", type=int, default=4, help="samples per class (seeds 0..N-1)")
+    ap.add_argument("--cols", type=int, default=7, help="panels per row")
+    ap.add_argument("--truncation", type=float, default=0.7)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--colors", type=int, default=256,
+                    help="palette size of the PNG (256: a quarter of the bytes, no visible change here; 0: full colour)")
+    a = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from PIL import Image, ImageDraw
+
+    from core.errors import InputError
+    from models.stylegan import load_generator
+    from pipelines.base import to_uint8_images
+    from pipelines.stylegan import seed_to_z
+
+    if a.seeds < 1 or a.cols < 1:
+        raise InputError("--seeds and --cols must be at least 1")
+    loaded = load_generator(a.model, device=a.device)
+    G = loaded.G.float().eval()
+    if not G.c_dim:
+        raise InputError(f"{a.model} is unconditional: it has no classes to show")
+    names = (((loaded.config or {}).get("metadata") or {}).get("classes") or {}).get("names") or []
+    labels = [str(names[k]).rsplit("/", 1)[-1] if k < len(names) else str(k) for k in range(G.c_dim)]
+    z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in range(a.seeds)])).to(a.device)
+    res = G.img_resolution
+    label_h, pad = 14, 6
+    rows = -(-G.c_dim // a.cols)
+    pw, ph = a.seeds * res, res + label_h
+    sheet = Image.new("RGB", (a.cols * (pw + pad) + pad, rows * (ph + pad) + pad), "white")
+    draw = ImageDraw.Draw(sheet)
+    with torch.no_grad():
+        for k in range(G.c_dim):
+            c = torch.nn.functional.one_hot(torch.full((a.seeds,), k), G.c_dim).float().to(a.device)
+            imgs = to_uint8_images(G(z, c, truncation_psi=a.truncation, noise_mode="const").float().cpu())
+            x0, y0 = pad + (k % a.cols) * (pw + pad), pad + (k // a.cols) * (ph + pad)
+            draw.text((x0, y0), f"{k} {labels[k]}"[: pw // 6], fill=(40, 40, 40))
+            for i, im in enumerate(imgs):
+                sheet.paste(im.convert("RGB"), (x0 + i * res, y0 + label_h))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    if a.colors:
+        sheet = sheet.quantize(colors=min(256, a.colors), method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    sheet.save(a.out, optimize=True)
+    print(f"wrote {a.out}: {G.c_dim} classes x {a.seeds} seeds, psi = {a.truncation}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
