@@ -120,7 +120,7 @@ def build_app(services: Services) -> gr.Blocks:
                             with gr.Row():
                                 C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
                                                            elem_id="noise-mode", scale=3)
-                                C["class_index"] = gr.Textbox("", label="Class", placeholder="none",
+                                C["class_index"] = gr.Textbox("", label="Class", placeholder="index or name",
                                                               elem_id="class-input",
                                                               scale=1, min_width=90)
                             with gr.Tabs(elem_id="sg-tabs") as sg_tabs:
