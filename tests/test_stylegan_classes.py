@@ -142,3 +142,27 @@ def test_class_sheet_draws_one_labelled_panel_per_class(tmp_path):
         G0 = stylegan2.Generator(z_dim=8, c_dim=0, w_dim=8, img_resolution=16, img_channels=3,
                                  mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
         sheet.main([str(save_generator(G0, tmp_path / "u.safetensors", "stylegan2")), str(tmp_path / "u.png")])
+
+
+def test_studio_job_by_class_name_captions_each_image_with_its_class(tmp_path):
+    """The studio's path for the Class box: a name in, images captioned and saved with the class they drew."""
+    from core.pnginfo import read_png_params
+    from core.settings import Settings
+    from pipelines.services import build_services
+    from ui.controls import job_spec
+    from ui.runner import StudioRuntime
+    from ui.state import SessionState
+
+    settings = Settings(models_dirs=(), extra_models=(), output_dir=tmp_path / "out", cache_dir=tmp_path / "cache")
+    rt = StudioRuntime(build_services(settings))
+    spec = job_spec({"backend": "stylegan", "seed": "3-4", "truncation_psi": 0.7, "class_index": "animal-mammal",
+                     "sg_batch_size": 2}, "cpu")
+    last = list(rt.run(SessionState(), spec))[-1]
+    assert last.done and last.error is None, last.message
+    assert [it.caption for it in last.items] == ["seed 3 · animal-mammal", "seed 4 · animal-mammal"]
+    saved = read_png_params(last.items[0].path)
+    assert saved["class_name"] == "Animals & Nature/animal-mammal" and saved["class_index"] == 32
+    # a name the model does not have: a clear message, no images
+    bad = job_spec({"backend": "stylegan", "seed": "0", "class_index": "unicorn", "sg_batch_size": 1}, "cpu")
+    last = list(rt.run(SessionState(), bad))[-1]
+    assert last.done and not last.items and "no class of this model is called 'unicorn'" in last.message

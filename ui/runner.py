@@ -425,6 +425,8 @@ class StudioRuntime:
                     seed = meta.get("seed", i)
                     path = save_png(img, self._out_path(f"seed{seed}"), meta)
                     caption = f"seed {seed}" if req.backend == "stylegan" else f"seed {seed} · {meta.get('steps', '')} steps"
+                    if meta.get("class_name"):       # a conditional StyleGAN: the class it drew, by its short name
+                        caption += f" · {str(meta['class_name']).rsplit('/', 1)[-1]}"
                     if result.cancelled:
                         caption += " · stopped job"
                     items.append(ResultItem(str(path), meta, caption))
