@@ -262,6 +262,21 @@ def style_layers_of_file(path: str | Path) -> int | None:
     return None
 
 
+def classes_of_file(path: str | Path) -> tuple[int, list[str]] | None:
+    """(class count, class names) of an Atelier .safetensors model from its JSON alone (init_kwargs.c_dim,
+    metadata.classes.names; names may be []); None where the JSON does not say (NVlabs pickles, run folders)."""
+    p = Path(path).expanduser()
+    if p.suffix != ".safetensors":
+        return None
+    try:
+        doc = json.loads(p.with_suffix(".json").read_text())
+        c_dim = int((doc.get("init_kwargs") or {}).get("c_dim") or 0)
+        names = (((doc.get("metadata") or {}).get("classes") or {}).get("names")) or []
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return c_dim, [str(n) for n in names][:c_dim] if isinstance(names, list) else []
+
+
 def _sidecar_paths(path: Path) -> tuple[Path, Path]:
     """NAME.safetensors / NAME.json (either may be given)."""
     return path.with_suffix(".safetensors"), path.with_suffix(".json")

@@ -151,6 +151,24 @@ class ModelManager:
         n = style_layers_of_file(entry.path) if entry.path else None
         return n or self._loaded_style_layers(entry.id)
 
+    def classes(self, ref: str | None) -> tuple[int, list[str]] | None:
+        """(class count, names) of a StyleGAN model, never loading it: from an Atelier model's JSON, else from
+        the model as loaded now (names from its config); None when unknown (an NVlabs pickle before its first run)."""
+        from models.stylegan import classes_of_file
+
+        try:
+            entry = self.catalogue.resolve(ref, "stylegan")
+        except Exception:       # an unknown name: the generate call will say so
+            return None
+        known = classes_of_file(entry.path) if entry.path else None
+        if known is not None:
+            return known
+        with self._lock:
+            for k, p in self._cache.items():
+                if k[0] == "stylegan" and k[1] == entry.id and hasattr(p, "class_names"):
+                    return int(p.loaded.G.c_dim), p.class_names()
+        return None
+
     def _loaded_style_layers(self, model_id: str) -> int | None:
         with self._lock:
             for k, p in self._cache.items():

@@ -166,3 +166,34 @@ def test_studio_job_by_class_name_captions_each_image_with_its_class(tmp_path):
     bad = job_spec({"backend": "stylegan", "seed": "0", "class_index": "unicorn", "sg_batch_size": 1}, "cpu")
     last = list(rt.run(SessionState(), bad))[-1]
     assert last.done and not last.items and "no class of this model is called 'unicorn'" in last.message
+
+
+def test_class_box_lists_the_models_classes_without_loading_it(tmp_path):
+    """The Class dropdown: a conditional Atelier model's classes come from its JSON ("32 · animal-mammal", value
+    "32"), an unconditional one says so, a model whose classes are unknown (a pickle not yet run) offers none."""
+    from core.settings import Settings
+    from models import stylegan2
+    from models.stylegan import classes_of_file
+    from pipelines.services import build_services
+    from models.stylegan import save_generator
+    from ui.handlers import class_choices
+
+    c_dim, names = classes_of_file(EMOJI)
+    assert c_dim == 98 and len(names) == 98 and names[32] == "Animals & Nature/animal-mammal"
+    G0 = stylegan2.Generator(z_dim=8, c_dim=0, w_dim=8, img_resolution=16, img_channels=3,
+                             mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+    uncond = save_generator(G0, tmp_path / "u.safetensors", "stylegan2")
+    from tests.ui_helpers import SG_COND
+    settings = Settings(models_dirs=(), extra_models=(str(uncond), str(SG_COND)), output_dir=tmp_path / "out",
+                        cache_dir=tmp_path / "cache")
+    services = build_services(settings)
+    assert not services.manager.loaded()                              # listing classes loads nothing
+    box = class_choices(services, "stylegan", str(EMOJI))
+    assert len(box.choices) == 98 and box.choices[32] == ("32 · animal-mammal", "32")
+    assert box.value is None and "98 classes" in box.info
+    box = class_choices(services, "stylegan", str(uncond))
+    assert box.choices == [] and box.info == "unconditional model"
+    assert class_choices(services, "diffusion", str(EMOJI)).choices == []
+    assert classes_of_file(SG_COND) is None                           # a pickle: no JSON to read before it runs
+    assert class_choices(services, "stylegan", str(SG_COND)).choices == []
+    assert not services.manager.loaded()

@@ -429,3 +429,24 @@ def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):
     rt.queue.wait_for(lambda w, r: (w, r) == (0, 0), timeout=120)   # woken on every queue change
     assert rt.queue.counts() == (0, 0), rt.queue.counts()
     runner.context.close()
+
+
+def pick(page, elem_id: str, typed: str, option_text: str) -> None:
+    """Choose a dropdown option by typing into its filter and clicking the option that shows `option_text`."""
+    box = page.locator(f"#{elem_id} input").first
+    box.click()
+    box.fill(typed)
+    page.locator("[role=listbox] [role=option]", has_text=option_text).first.click()
+
+
+def test_class_dropdown_lists_a_conditional_models_classes(page):
+    """The bundled emoji64 is class-conditional and names its classes: picking it fills the Class box with
+    them ("32 · animal-mammal"), a picked class reaches the job, and each result's caption names it."""
+    pick(page, "model-select", "emoji64", "emoji64")
+    pick(page, "class-input", "mammal", "animal-mammal")
+    page.wait_for_function("document.querySelector('#class-input input').value.includes('animal-mammal')")
+    generate(page, "3-4", 2)
+    page.wait_for_function("[...document.querySelectorAll('#output-gallery .caption-label')]"
+                           ".filter(e => e.innerText.includes('animal-mammal')).length >= 2")
+    page.locator("#output-gallery img").first.click()
+    page.wait_for_function("document.querySelector('#selected-params').innerText.includes('animal-mammal')")

@@ -246,7 +246,7 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
             "",
             f"- Class-conditional: {len(names)} classes, from the data set's per-image labels "
             f"(`{meta['classes'].get('key', 'class')}`). Choose one by index or by name (`--class-index 3`, "
-            "`--class face-hand`; the studio's Class box takes either); with none chosen, seed s is drawn "
+            "`--class face-hand`; the studio's Class dropdown lists them by name and takes either); with none chosen, seed s is drawn "
             f"with class s % {len(names)}, so a seed range walks through the classes.",
             "- " + ", ".join(f"{i} {n}" for i, n in enumerate(names)) + ".",
         ]

@@ -341,6 +341,19 @@ def mix_layer_sliders(services: Services, backend: str, model: str | None, mix_f
             gr.Slider(maximum=n, value=max(1, hi)))
 
 
+def class_choices(services: Services, backend: str, model: str | None):
+    """The Class box lists the selected model's classes ("32 · animal-mammal"; the value is the index) and still
+    takes typed text (an index or a name). Unconditional: empty, and says so. A new model starts with no class."""
+    known = services.manager.classes(model or None) if backend == "stylegan" else None
+    if known is None:
+        return gr.Dropdown(choices=[], value=None, info=None)
+    c_dim, names = known
+    if not c_dim:
+        return gr.Dropdown(choices=[], value=None, info="unconditional model")
+    choices = [(f"{k} · {names[k].rsplit('/', 1)[-1]}" if k < len(names) else str(k), str(k)) for k in range(c_dim)]
+    return gr.Dropdown(choices=choices, value=None, info=f"{c_dim} classes; empty: seed s draws class s % {c_dim}")
+
+
 def switch_backend(services: Services, memory_toggle: bool, backend: str, seed: str, sess: SessionState = None):
     """Show the controls of the chosen backend and its models. The seed field keeps each backend's own
     text: StyleGAN's list comes back when you return to it, and diffusion starts empty (= random)."""

@@ -31,7 +31,7 @@ from ui.form import CONTROL_NAMES, check_components  # noqa: F401  (CONTROL_NAME
 # the handlers live in ui/handlers.py; these names stay importable from here (tests, scripts)
 from ui.handlers import (ALREADY_RUNNING, FAST_TICK_S, MIX_LAYERS_UNKNOWN, NO_JOB, SLOW_TICK_S,  # noqa: F401
                          Restored, StudioContext, _availability, _entry_label, _model_choices, _scheduler_choices,
-                         add_model, bind, clear_history, compare, form_endpoint, generate, job_finished,
+                         add_model, bind, class_choices, clear_history, compare, form_endpoint, generate, job_finished,
                          known_stylegan_model, list_models, mix_layer_sliders, mode_setter, model_defaults,
                          nothing_to_compare, page_load, page_unload, picker_update, prepare, prepare_compare,
                          read_dropped_png, read_png_info, record_history, render_nothing_to_compare,
@@ -82,6 +82,7 @@ def build_app(services: Services) -> gr.Blocks:
     settings = services.settings
     avail = _availability(rt.device)
     sg_choices, sg_default, sg_note = _model_choices(services, "stylegan")
+    initial_classes = class_choices(services, "stylegan", sg_default)
     schedulers = _scheduler_choices()
     C: dict[str, Any] = {}                   # control name -> component
     train_manager = make_manager(settings)   # training runs: child processes, one at a time
@@ -120,9 +121,11 @@ def build_app(services: Services) -> gr.Blocks:
                             with gr.Row():
                                 C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
                                                            elem_id="noise-mode", scale=3)
-                                C["class_index"] = gr.Textbox("", label="Class", placeholder="index or name",
-                                                              elem_id="class-input",
-                                                              scale=1, min_width=90)
+                                # a conditional model's classes by name; typed text (an index or a name) works too
+                                C["class_index"] = gr.Dropdown(initial_classes.choices, value=None, label="Class",
+                                                               allow_custom_value=True, filterable=True,
+                                                               info=initial_classes.info, elem_id="class-input",
+                                                               scale=2, min_width=150)
                             with gr.Tabs(elem_id="sg-tabs") as sg_tabs:
                                 with gr.Tab("Images", id="images") as tab_images:
                                     with gr.Row():
@@ -307,6 +310,8 @@ def build_app(services: Services) -> gr.Blocks:
         mix_in, mix_out = [C["backend"], C["model"], C["mix_from"], C["mix_to"]], [C["mix_from"], C["mix_to"]]
         mix_range = bind(mix_layer_sliders, services)
         C["model"].change(mix_range, mix_in, mix_out, api_name="mix_layers", **fast)
+        C["model"].change(bind(class_choices, services), [C["backend"], C["model"]], C["class_index"],
+                           api_name="class_choices", **fast)
         refresh_btn.click(bind(list_models, ctx), [C["backend"], C["model"], session], C["model"],
                           api_name="list_models", **fast)
         # the picker's value set by code fires no .input: the added model's native size and steps follow here
