@@ -194,6 +194,10 @@ def loaded_diffusion(workload: Workload, device: torch.device, seed: int, weight
                              f"pick the matching --workload")
         return loaded
     pipe = random_diffusion_pipeline(workload, device, seed)
+    # random UNet/VAE weights: the tiny-VAE toggle gets the published architecture with random weights too (its
+    # speed is what a row measures); an ATELIER_TINY_VAE(_XL) set in the environment still wins
+    from optim.tiny_vae import RANDOM, SOURCE_ATTR
+    setattr(pipe, SOURCE_ATTR, RANDOM)
     if dtype != torch.float32:
         with quiet_diffusers():
             pipe.to(dtype=dtype)

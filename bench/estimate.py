@@ -142,6 +142,8 @@ def h200_skip_reason(wl: Workload, flags: OptimizationFlags | None) -> str | Non
         return "fused QKV applies to diffusion attention only (StyleGAN has none)"
     if flags.request_graph and wl.kind == "stylegan":
         return "the request graph applies to diffusion requests only"
+    if flags.tiny_vae and wl.kind == "stylegan":
+        return "the tiny autoencoder replaces a diffusion VAE decoder (StyleGAN has none)"
     if flags.prune_amount and flags.prune_method == "structured" and wl.kind == "diffusion":
         return H200_MISSING["torch_pruning"]
     return None

@@ -267,6 +267,9 @@ def unavailable_here(flags: OptimizationFlags, wl: Workload, device: torch.devic
     if flags.fuse_qkv and wl.kind == "stylegan":
         from optim.fused_qkv import STYLEGAN_REASON
         reasons.append(f"fuse_qkv: {STYLEGAN_REASON}")
+    if flags.tiny_vae and wl.kind == "stylegan":
+        from optim.tiny_vae import STYLEGAN_REASON as TINY_REASON
+        reasons.append(f"tiny_vae: {TINY_REASON}")
     if flags.request_graph:
         from optim import request_graph as opt_rg
         r = opt_rg.STYLEGAN_REASON if wl.kind == "stylegan" else opt_rg.unavailable_reason(device)

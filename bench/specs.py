@@ -187,11 +187,13 @@ _CONFIGS: dict[str, tuple[dict | None, str]] = {
     "best-fqkv": ({}, "the best combination + fused QKV projections (compare with best)"),
     # 'best' + one CUDA graph per request (diffusion), so the two rows A/B the recording alone
     "best-graph": ({}, "the best combination + one CUDA graph per request (compare with best)"),
+    # 'best' + the tiny autoencoder decode: the VAE's share of the request, and the decoder's own drift
+    "best-taesd": ({}, "the best combination + the tiny autoencoder (TAESD) decode (compare with best)"),
 }
 DEFAULT_CONFIGS = tuple(_CONFIGS)
 _FLAG_KEYS = {"precision": str, "channels_last": bool, "attention": str, "compile": str, "fp8": bool,
               "prune": float, "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": str, "kernels": str,
-              "fuse_qkv": bool, "request_graph": bool}
+              "fuse_qkv": bool, "request_graph": bool, "tiny_vae": bool}
 
 
 def _parse_bool(v: str) -> bool:
@@ -250,6 +252,8 @@ def resolve_configs(workload: Workload, names: list[str] | tuple[str, ...] | Non
                 kw = dict(workload.best, fuse_qkv=True)
             elif raw == "best-graph":
                 kw = dict(workload.best, request_graph=True)
+            elif raw == "best-taesd":
+                kw = dict(workload.best, tiny_vae=True)
             elif raw in ("prune-25", "prune-50"):
                 # Pruning composed with everything else: the H200's eager bf16 prune rows were launch- and
                 # sync-bound, where fewer FLOPs buy nothing; against `best` the row shows what pruning adds.
@@ -263,7 +267,7 @@ def resolve_configs(workload: Workload, names: list[str] | tuple[str, ...] | Non
         flags = OptimizationFlags(**kw)
         if strict:
             flags = replace(flags, strict=True)
-        if name in ("best", "best-fp8", "best-fqkv", "best-graph", "prune-25", "prune-50"):
+        if name in ("best", "best-fp8", "best-fqkv", "best-graph", "best-taesd", "prune-25", "prune-50"):
             desc = f"{desc}: " + describe_flags(flags)
         fp32_layers = workload.kind == "stylegan" and flags.precision in ("fp32", "tf32")
         out.append(BenchConfig(name, flags, desc, fp32_layers=fp32_layers))
@@ -286,6 +290,8 @@ def describe_flags(flags: OptimizationFlags) -> str:
         parts.append("fused QKV")
     if flags.request_graph:
         parts.append("request graph")
+    if flags.tiny_vae:
+        parts.append("tiny VAE")
     if flags.fp8:
         parts.append("fp8")
     if flags.prune_amount:

@@ -30,6 +30,9 @@ def add_optimization_args(p: argparse.ArgumentParser) -> None:
                    help="diffusion: fuse each attention layer's Q/K/V projections into one matrix product")
     g.add_argument("--request-graph", action="store_true",
                    help="diffusion on a GPU: record each request (text encoder, all steps, VAE) as one CUDA graph")
+    g.add_argument("--tiny-vae", action="store_true",
+                   help="diffusion: decode (and preview) with the tiny autoencoder TAESD/TAESDXL: faster, softer "
+                        "detail (weights: ATELIER_TINY_VAE / ATELIER_TINY_VAE_XL, default madebyollin/taesd[xl])")
     g.add_argument("--prune", type=float, default=0.0, metavar="AMOUNT", help="fraction of weights/channels to prune")
     g.add_argument("--prune-method", choices=["l1-unstructured", "structured"], default="l1-unstructured")
     g.add_argument("--tensorrt", action="store_true", help="run through a TensorRT engine")
@@ -46,4 +49,4 @@ def flags_from_args(a: argparse.Namespace) -> OptimizationFlags:
     return OptimizationFlags(precision=a.precision, channels_last=a.channels_last, attention=a.attention,
                              compile=a.compile, fp8=a.fp8, prune_amount=a.prune, prune_method=a.prune_method,
                              tensorrt=a.tensorrt, memory=tuple(a.memory), kernels=a.kernels, strict=a.strict,
-                             fuse_qkv=a.fuse_qkv, request_graph=a.request_graph)
+                             fuse_qkv=a.fuse_qkv, request_graph=a.request_graph, tiny_vae=a.tiny_vae)

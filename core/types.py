@@ -39,6 +39,7 @@ class OptimizationFlags:
     strict: bool = False               # a requested toggle that cannot run is an error, not a skip
     fuse_qkv: bool = False             # diffusion: one Q/K/V (cross-attention: K/V) projection per attention layer
     request_graph: bool = False        # diffusion on CUDA: one CUDA graph per request (pipelines/request_graph.py)
+    tiny_vae: bool = False             # diffusion: decode (and preview) with TAESD / TAESDXL (optim/tiny_vae.py)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -66,7 +67,7 @@ class OptimizationFlags:
               "attention": self.attention != "sdpa", "compile": self.compile != "off", "fp8": self.fp8,
               "prune": self.prune_amount > 0, "tensorrt": self.tensorrt, "memory": bool(self.memory),
               "kernels": self.kernels != "auto", "fuse_qkv": self.fuse_qkv,
-              "request_graph": self.request_graph}
+              "request_graph": self.request_graph, "tiny_vae": self.tiny_vae}
         return {name for name, v in on.items() if v}
 
     @classmethod

@@ -553,4 +553,19 @@ def _compile_other_parts(target: Target, flags: OptimizationFlags, ctx: Context,
                                          ctx.on_status)
             parts_rep["vae_decoder"] = sub
             done.append("VAE decoder")
+    # the tiny-autoencoder toggle decodes instead of the VAE: its decoder (one fixed shape per resolution, ~1 M
+    # parameters in 30-odd small convolutions, launch-bound when eager) is a compiled part of "vae" too
+    from optim import tiny_vae
+
+    tiny = tiny_vae.get(target.pipe)
+    if "vae" in wanted and tiny is not None:
+        if "vae" in exclude:
+            parts_rep["tiny_vae_decoder"] = {"applied": False, "reason": exclude["vae"]}
+        else:
+            sub = {"applied": True}
+            key = _cache_key(target, flags, ctx, tiny.decoder)
+            tiny.decoder = compile_module(tiny.decoder, "module", mode, ctx.device, sub, cache, key, backend,
+                                          ctx.on_status)
+            parts_rep["tiny_vae_decoder"] = sub
+            done.append("tiny VAE decoder")
     return done

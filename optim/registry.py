@@ -8,6 +8,7 @@ Order, and why:
  4b. fuse_qkv   after precision (fused weights in the final dtype) and after attention / memory savers
                 (it refuses non-SDPA processors rather than undo them); before FP8, TensorRT and compile,
                 which must see the fused layers
+ 4c. tiny_vae   TAESD loaded next to the VAE in its final dtype and layout (the VAE stays, for encoding)
  5. fp8         quantizes the final-dtype linear layers
  6. tensorrt    exports what the steps above produced
  7. compile     last: it traces everything above (and skips what TensorRT serves); under a request graph
@@ -32,6 +33,7 @@ from optim import precision as _precision
 from optim import prune as _prune
 from optim import request_graph as _request_graph
 from optim import tensorrt as _tensorrt
+from optim import tiny_vae as _tiny_vae
 from optim.report import ToggleReport, ordered, skipped
 from optim.targets import Context, resolve
 
@@ -53,6 +55,8 @@ def requested_toggles(flags: OptimizationFlags) -> list[str]:
         names.append("attention")
     if flags.fuse_qkv:
         names.append("fuse_qkv")
+    if flags.tiny_vae:
+        names.append("tiny_vae")
     if flags.compile != "off":
         names.append("compile")
     if flags.request_graph:
@@ -107,6 +111,8 @@ def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, k
         report["memory"] = _memory.apply(target, flags, ctx, offload=offload_report)
     if flags.fuse_qkv:
         report["fuse_qkv"] = _fused_qkv.apply(target, flags, ctx)
+    if flags.tiny_vae:          # 4c. after precision and channels_last, whose dtype and layout it copies
+        report["tiny_vae"] = _tiny_vae.apply(target, flags, ctx)
     # 5-7. FP8, TensorRT, compile
     if flags.fp8:
         report["fp8"] = _fp8.apply(target, flags, ctx)
@@ -163,6 +169,9 @@ def availability(device: torch.device | str | None = None) -> dict[str, tuple[bo
     out["fuse_qkv"] = (True, "one Q/K/V (cross-attention: K/V) projection per UNet / VAE attention layer "
                              "(diffusion, SDPA attention)")
     rr = _request_graph.unavailable_reason(dev)
+    out["tiny_vae"] = (True, "decode and live previews through TAESD / TAESDXL instead of the VAE decoder: "
+                             "several times faster, softer fine detail (weights: ATELIER_TINY_VAE / "
+                             "ATELIER_TINY_VAE_XL, default madebyollin/taesd / taesdxl)")
     out["request_graph"] = (rr is None, rr or "one CUDA graph per diffusion request (text encoder, all steps, VAE)")
     out["prune"] = (True, "l1-unstructured; structured (StyleGAN channels"
                     + (", UNet ResNet blocks via torch-pruning)" if has_package("torch_pruning")

@@ -10,7 +10,7 @@ from typing import Any
 ToggleReport = dict[str, Any]
 
 # The order toggles are reported in (and the names the CLI JSON uses).
-NAMES = ("precision", "channels_last", "attention", "fuse_qkv", "kernels", "compile", "request_graph", "fp8", "prune", "tensorrt", "memory")
+NAMES = ("precision", "channels_last", "attention", "fuse_qkv", "tiny_vae", "kernels", "compile", "request_graph", "fp8", "prune", "tensorrt", "memory")
 
 
 def applied(reason: str, **details: Any) -> ToggleReport:

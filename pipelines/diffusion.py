@@ -38,6 +38,7 @@ from core.device import peak_memory_bytes, reset_peak_memory
 from core.errors import AtelierError, Cancelled, InputError, ModelLoadError, OutOfMemory, ResourceError, UnsafeModelError
 from core.types import SEED_MAX, DiffusionParams, GenerationRequest, GenerationResult, Job, OptimizationFlags
 from models import diffusion_catalogue as dcat
+from optim import tiny_vae
 from pipelines import overlap, switches
 from pipelines import request_graph as rgraph
 from pipelines.base import module_bytes
@@ -750,7 +751,21 @@ class DiffusionPipeline:
         return report
 
     def memory_bytes(self) -> int:
-        return sum(module_bytes(m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module))
+        tiny = tiny_vae.get(self.pipe)
+        return (sum(module_bytes(m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module))
+                + (module_bytes(tiny) if tiny is not None else 0))
+
+    def _preview(self, latents: torch.Tensor, size: tuple[int, int]) -> Image.Image:
+        """A live preview of the first image: through the tiny autoencoder when that toggle is on (A1111's TAESD
+        preview mode), else the linear latent-to-RGB map."""
+        tiny = tiny_vae.get(self.pipe)
+        if tiny is None:
+            return latent_preview(latents, self.family, size)
+        with torch.no_grad(), self._runtime():
+            img = tiny_vae.decode(tiny, latents[:1])[0]
+        arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+        im = Image.fromarray(arr, "RGB")
+        return im if im.size == size else im.resize(size, Image.BILINEAR)
 
     # -- 1. input checks (no device work) ---------------------------------------------------------------
     def check_inputs(self, p: DiffusionParams, task: str | None = None) -> CheckedInputs:
@@ -923,7 +938,10 @@ class DiffusionPipeline:
         finally:
             vae.to(dtype=orig)
 
-    def _vae_decode(self, view, latents: torch.Tensor, generator) -> torch.Tensor:
+    def _vae_decode(self, view, latents: torch.Tensor, generator, full: bool = False) -> torch.Tensor:
+        tiny = None if full else tiny_vae.get(self.pipe)
+        if tiny is not None:                 # the tiny-autoencoder toggle: TAESD decodes the UNet's latents
+            return tiny_vae.decode(tiny, latents)
         vae = view.vae
         lat = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
         if self.family == "sdxl":
@@ -943,16 +961,20 @@ class DiffusionPipeline:
         """VAE decode with the NaN guard, then the safety checker if the model has one."""
         notes: list[str] = []
         vae = view.vae
+        tiny = tiny_vae.get(self.pipe)
         # SDXL's VAE overflows in fp16; diffusers' SDXL pipeline decodes it in fp32 when its config says so, and so
         # do we. (SD 1.x/2.x configs default to force_upcast too, but diffusers decodes those as they are.)
+        # TAESDXL, when it decodes instead, is fp16-safe.
         vae_dtype = _param_dtype(vae)
-        upcast = self.family == "sdxl" and vae_dtype == torch.float16 and vae.config.get("force_upcast", False)
+        upcast = (tiny is None and self.family == "sdxl" and vae_dtype == torch.float16
+                  and vae.config.get("force_upcast", False))
         first = torch.float32 if upcast else None
         # The fp32 copy must decode outside the request's autocast, which would run its convolutions in fp16
         # again (the overflow the upcast avoids; the NaN guard below would then blame the weights).
         precision = torch.autocast(self.device.type, enabled=False) if upcast else self._runtime()
         with self._vae_dtype(vae, first), precision:
-            used = "autocast-" + self.flags.precision if self._autocast_on() and not upcast else _dtype_name(_param_dtype(vae))
+            used = ("autocast-" + self.flags.precision if self._autocast_on() and not upcast
+                    else _dtype_name(_param_dtype(tiny if tiny is not None else vae)))
             image = self._vae_decode(view, latents, generator)
         # One check (one host/device sync) after the decode: NaN latents decode to a NaN image, so the latents are
         # only examined when the image is bad. Checking them before the decode would stall the host until the
@@ -963,11 +985,12 @@ class DiffusionPipeline:
                         if self.flags.fp8 else "this happens with fp16 on some SD 2.x models: try bf16 or fp32 "
                                                "precision, or another scheduler")
                 raise AtelierError(f"the denoiser produced NaN/Inf latents, so there is no image to decode; {hint}.")
-            if used != "fp32":
+            if used != "fp32" or tiny is not None:
                 with self._vae_dtype(vae, torch.float32), torch.autocast(device.type, enabled=False):
-                    image = self._vae_decode(view, latents.float(), generator)
+                    image = self._vae_decode(view, latents.float(), generator, full=True)
                 if torch.isfinite(image).all():
-                    notes.append(f"VAE produced NaN/Inf in {used}; decoded again in fp32")
+                    what = f"the tiny autoencoder ({used})" if tiny is not None else f"VAE ({used})"
+                    notes.append(f"{what} produced NaN/Inf; the VAE decoded again in fp32")
             if not torch.isfinite(image).all():
                 raise AtelierError("the VAE produced NaN/Inf even in fp32: its weights look damaged. Try another VAE "
                                    "or re-download the model. (No image was returned rather than a black one.)")
@@ -1029,7 +1052,7 @@ class DiffusionPipeline:
             preview = None
             k = int(p.preview_every or 0)
             if k > 0 and not repeat and (done % k == 0 or done == total):
-                preview = latent_preview(kw["latents"], self.family, (int(p.width), int(p.height)))
+                preview = self._preview(kw["latents"], (int(p.width), int(p.height)))
             try:
                 job.check_cancelled() if repeat else job.step(done, total, preview)
             except Cancelled:

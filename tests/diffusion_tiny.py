@@ -237,3 +237,14 @@ def pipeline_to_ldm(pipe) -> dict:
     else:
         sd.update(clip_to_ldm(pipe.text_encoder.state_dict(), "cond_stage_model.transformer."))
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def build_tiny_taesd(folder: Path, seed: int = 0, levels: int = 4) -> Path:
+    """A diffusers AutoencoderTiny folder with TAESD's structure at a few channels (random weights): `levels` decoder
+    stages, so 2**(levels-1)x upsampling (4 matches the tiny SD's VAE, as TAESD matches SD's)."""
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(seed)
+    AutoencoderTiny(encoder_block_out_channels=(8,) * levels, decoder_block_out_channels=(8,) * levels,
+                    num_encoder_blocks=(1,) * levels, num_decoder_blocks=(1,) * levels).save_pretrained(folder)
+    return folder

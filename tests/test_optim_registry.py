@@ -9,10 +9,11 @@ from optim.fp8 import unavailable_reason as fp8_reason
 from optim.tensorrt import TENSORRT_MISSING
 from tests.optim_helpers import CPU, prepared
 
-NAMES = {"precision", "channels_last", "attention", "fuse_qkv", "compile", "request_graph", "fp8", "prune", "tensorrt", "memory"}
+NAMES = {"precision", "channels_last", "attention", "fuse_qkv", "compile", "request_graph", "fp8", "prune", "tensorrt", "memory",
+         "tiny_vae"}
 ALL_FLAGS = Flags(precision="bf16", channels_last=True, attention="xformers", compile="default", fp8=True,
                   prune_amount=0.25, prune_method="structured", tensorrt=True, memory=("vae-tiling",),
-                  fuse_qkv=True, request_graph=True)
+                  fuse_qkv=True, request_graph=True, tiny_vae=True)
 
 
 def test_availability_covers_every_toggle_with_a_reason():

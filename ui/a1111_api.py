@@ -191,7 +191,7 @@ def _b64_image(data: Any, what: str):
 
 FLAG_TYPES = {"precision": str, "channels_last": bool, "attention": str, "compile": str, "fp8": bool,
               "prune_amount": float, "prune_method": str, "tensorrt": bool, "memory": list, "kernels": str,
-              "strict": bool, "fuse_qkv": bool, "request_graph": bool}
+              "strict": bool, "fuse_qkv": bool, "request_graph": bool, "tiny_vae": bool}
 
 
 def _flags(override: dict) -> OptimizationFlags:

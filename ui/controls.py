@@ -92,12 +92,13 @@ def _opt_class(v) -> int | str | None:
 def flags_from_controls(precision: str = "fp32", channels_last: bool = False, attention: str = "sdpa",
                         compile_mode: str = "off", fp8: bool = False, prune_amount: float = 0.0,
                         tensorrt: bool = False, memory_savers=(), prune_method: str = "l1-unstructured",
-                        fuse_qkv: bool = False, request_graph: bool = False) -> OptimizationFlags:
+                        fuse_qkv: bool = False, request_graph: bool = False,
+                        tiny_vae: bool = False) -> OptimizationFlags:
     return OptimizationFlags(precision=precision or "fp32", channels_last=bool(channels_last),
                              attention=attention or "sdpa", compile=compile_mode or "off", fp8=bool(fp8),
                              prune_amount=float(prune_amount or 0.0), prune_method=prune_method or "l1-unstructured",
                              tensorrt=bool(tensorrt), memory=tuple(memory_savers or ()), fuse_qkv=bool(fuse_qkv),
-                             request_graph=bool(request_graph))
+                             request_graph=bool(request_graph), tiny_vae=bool(tiny_vae))
 
 
 def stylegan_params(seed_text: str, psi: float, cutoff, noise_mode: str, class_index, batch_size) -> StyleGANParams:
@@ -174,7 +175,7 @@ def job_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
                                 v.get("compile_mode", "off"), v.get("fp8", False), v.get("prune_amount", 0.0),
                                 v.get("tensorrt", False), v.get("memory_savers", ()),
                                 v.get("prune_method", "l1-unstructured"), v.get("fuse_qkv", False),
-                                v.get("request_graph", False))
+                                v.get("request_graph", False), v.get("tiny_vae", False))
     backend = v.get("backend") or "stylegan"
     model = (v.get("model") or "").strip() or None
     if backend == "diffusion":
@@ -284,7 +285,7 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
         out.update(precision=f.precision, channels_last=f.channels_last, attention=f.attention,
                    compile_mode=f.compile, fp8=f.fp8, prune_amount=f.prune_amount, prune_method=f.prune_method,
                    tensorrt=f.tensorrt, memory_savers=list(f.memory), fuse_qkv=f.fuse_qkv,
-                   request_graph=f.request_graph)
+                   request_graph=f.request_graph, tiny_vae=f.tiny_vae)
     return out
 
 

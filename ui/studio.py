@@ -403,7 +403,8 @@ def _toggle_controls(C: dict, avail: dict[str, tuple[bool, str]]) -> None:
     for name, label, elem_id in (("channels_last", "channels_last memory format", "opt-channels-last"),
                                  ("fp8", "FP8 linear layers", "opt-fp8"), ("tensorrt", "TensorRT engine", "opt-tensorrt"),
                                  ("fuse_qkv", "Fused QKV projections (diffusion)", "opt-fuse-qkv"),
-                                 ("request_graph", "One CUDA graph per request (diffusion)", "opt-request-graph")):
+                                 ("request_graph", "One CUDA graph per request (diffusion)", "opt-request-graph"),
+                                 ("tiny_vae", "Tiny autoencoder decode, TAESD (diffusion)", "opt-tiny-vae")):
         vis, ok, why = state(name)
         C[name] = gr.Checkbox(False, label=label, visible=vis, interactive=ok, info=why, elem_id=elem_id)
     vis, ok, why = state("prune")
