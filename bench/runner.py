@@ -462,8 +462,11 @@ def _pil_stack(images) -> np.ndarray:
 
 def _diffusion_stages(pipe) -> dict[str, list]:
     """The modules whose first entry and last exit bound each stage (the same for both runners)."""
+    from optim import tiny_vae
+
+    tiny = tiny_vae.get(pipe)              # the tiny-autoencoder toggle decodes instead of the VAE
     return {"text_encoder": [pipe.text_encoder, getattr(pipe, "text_encoder_2", None)], "denoise": [pipe.unet],
-            "vae_decode": [pipe.vae.post_quant_conv, pipe.vae.decoder]}
+            "vae_decode": [pipe.vae.post_quant_conv, pipe.vae.decoder] + ([tiny.decoder] if tiny is not None else [])}
 
 
 class _ProductDiffusion:

@@ -117,6 +117,11 @@ def test_random_source_and_the_bench_config(tiny_sd_sdxl, monkeypatch):
     cfg = {c.name: c for c in resolve_configs(get_workload("sd15-512"), ["best", "best-taesd"])}
     assert cfg["best-taesd"].flags.tiny_vae and not cfg["best"].flags.tiny_vae
     assert "tiny VAE" in cfg["best-taesd"].description
+    # the bench's vae_decode stage is bounded by the decoder that runs: the tiny one when the toggle is on
+    from bench.runner import _diffusion_stages
+
+    pipe = _pipeline(tiny_sd_sdxl["sd"], TINY).pipe
+    assert pipe.atelier_tiny_vae.decoder in _diffusion_stages(pipe)["vae_decode"]
 
 
 def test_cli_generate_with_tiny_vae_reports_it(tiny_sd_sdxl, taesd, tmp_path):
