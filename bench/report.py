@@ -220,7 +220,7 @@ def _within_drift_budget(row: dict, kind: str) -> bool:
 
 def evaluate_targets(m: Merged, workload: str) -> list[dict]:
     """Each target of `workload` against its best eligible row (baseline excluded; StyleGAN fp16/bf16 rows
-    over the drift budget excluded)."""
+    over the drift budget excluded; tiny-autoencoder rows excluded, since TAESD is not the model's decoder)."""
     wl = m.workloads.get(workload) or {}
     kind = wl.get("kind", "")
     batches = sorted({b for (w, b, _) in m.results if w == workload})
@@ -238,6 +238,8 @@ def evaluate_targets(m: Merged, workload: str) -> list[dict]:
                 continue
             if not _within_drift_budget(r, kind):
                 continue
+            if (r.get("flags") or {}).get("tiny_vae"):
+                continue        # another decoder draws another picture: the targets are for the model's own
             v = num(r.get(t["metric"]))
             if v is not None:
                 cands.append((v, c, r))
@@ -401,7 +403,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
             lines += [f"- `{c}` (batch {b}): {_status_text(r)}" for c, b, r in other] + [""]
         targets = evaluate_targets(m, w)
         if targets:
-            lines += ["Targets (H200, baseline excluded):", ""]
+            lines += ["Targets (H200; the baseline and tiny-autoencoder rows excluded):", ""]
             trows = []
             for t in targets:
                 if t["status"] == "not measured":

@@ -220,6 +220,8 @@ def test_targets_name_the_best_row_and_the_margin():
          "flags": {"precision": "fp16"}, "drift": {"psnr_db": 30.0}},      # faster but over the drift budget
         {"type": "result", "workload": "w", "config": "bf16", "batch": 32, "status": "ok", "images_per_s": 2500.0,
          "flags": {"precision": "bf16"}},
+        {"type": "result", "workload": "w", "config": "taesd", "batch": 1, "status": "ok", "ms_per_image": 1.5,
+         "flags": {"precision": "bf16", "tiny_vae": True}},               # faster, but another decoder: not counted
     ]
     t1, t2 = evaluate_targets(merge(rows), "w")
     assert t1["status"] == "missed" and t1["config"] == "bf16" and t1["margin"] == pytest.approx(-0.5)
