@@ -13,7 +13,9 @@
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
-#   rgtests the request-graph GPU tests alone (log under $OUT/rg-tests.log)
+#   rgtests the request-graph GPU tests but the AOT one (log under $OUT/rg-tests.log; ~2 min)
+#   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
+#           AOTInductor packages, then loads them in a second start)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
 source "$(dirname "$0")/h200_env.sh"
 flags_of_best() {   # precision=fp16+channels_last=1+... of a workload's best
@@ -44,8 +46,8 @@ for p in sys.argv[1:]:
                 raise ValueError("not a diffusion workload")
             if not env.get("WEIGHTS"):
                 raise ValueError("needs WEIGHTS=FOLDER (outside $OUT)")
-        elif p not in ("fp8", "tests", "rgtests"):
-            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tests, rgtests)")
+        elif p not in ("fp8", "tests", "rgtests", "aottest"):
+            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tests, rgtests, aottest)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -87,7 +89,9 @@ for part in "$@"; do
              tests/test_optim_compile.py tests/test_diffusion.py tests/test_bench_gpu.py tests/test_request_graph.py \
              -k "not stylegan" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
     rgtests) timeout ${RGTESTS_TIMEOUT:-200} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
-               2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
+               -k "not test_gpu_aot_parts" --durations=5 2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
+    aottest) timeout ${AOTTEST_TIMEOUT:-330} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
+               -k test_gpu_aot_parts --durations=5 2>&1 | tee "$OUT/rg-aot-test.log" | tail -40 ;;
     *) echo "unknown part $part" ;;
   esac
 done
