@@ -158,12 +158,23 @@ class DiffusionParams:
     init_image: str | None = None       # path to an image file for image-to-image
     strength: float = 0.75
     preview_every: int = 0              # 0 = no previews
+    # how a live preview is drawn (PREVIEW_METHODS): 'auto' = the tiny autoencoder when it is loaded or its weights
+    # are on disk, else the latent map; 'latent' = the linear latent-to-RGB map; 'taesd' = the tiny autoencoder;
+    # 'full' = the model's own VAE (exact, slowest). Only previews: the final image is decoded as the toggles say.
+    preview_method: str = "auto"
     # a stopped job decodes the latents it had and returns them as a (noisy) partial result, as A1111 does;
     # off by default: the studio keeps nothing of a stopped diffusion job
     partial_on_cancel: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "seed", check_seed(self.seed))
+        if self.preview_method not in PREVIEW_METHODS:
+            raise InputError(f"preview method must be one of {', '.join(PREVIEW_METHODS)}; got {self.preview_method!r}")
+
+
+# live-preview decoders of a diffusion job (DiffusionParams.preview_method); ComfyUI's --preview-method and A1111's
+# "Live preview display" offer the same choice
+PREVIEW_METHODS = ("auto", "latent", "taesd", "full")
 
 
 @dataclass(frozen=True)

@@ -539,33 +539,26 @@ def _compile_other_parts(target: Target, flags: OptimizationFlags, ctx: Context,
             target.set(name, compile_module(te, "module", mode, ctx.device, sub, cache, key, backend, ctx.on_status))
             parts_rep[name] = sub
             done.append(name)
-    vae = target.get("vae")
-    if "vae" in wanted and vae is not None and hasattr(vae, "decoder"):
-        if "vae-tiling" in flags.memory:
-            parts_rep["vae_decoder"] = {"applied": False, "reason": "VAE tiling decodes tiles of several shapes (each "
-                                                                      "would compile); the decoder runs eagerly"}
-        elif "vae" in exclude:
-            parts_rep["vae_decoder"] = {"applied": False, "reason": exclude["vae"]}
-        else:
-            sub = {"applied": True}
-            key = _cache_key(target, flags, ctx, vae.decoder)
-            vae.decoder = compile_module(vae.decoder, "module", mode, ctx.device, sub, cache, key, backend,
-                                         ctx.on_status)
-            parts_rep["vae_decoder"] = sub
-            done.append("VAE decoder")
-    # the tiny-autoencoder toggle decodes instead of the VAE: its decoder (one fixed shape per resolution, ~1 M
-    # parameters in 30-odd small convolutions, launch-bound when eager) is a compiled part of "vae" too
+    # The VAE's decoder, and the tiny autoencoder's when that toggle decodes instead (one fixed shape per
+    # resolution, ~1 M parameters in 30-odd small convolutions: launch-bound when eager). Both are part "vae".
     from optim import tiny_vae
 
-    tiny = tiny_vae.get(target.pipe)
-    if "vae" in wanted and tiny is not None:
-        if "vae" in exclude:
-            parts_rep["tiny_vae_decoder"] = {"applied": False, "reason": exclude["vae"]}
+    vae = target.get("vae")
+    decoders = [("vae_decoder", "VAE decoder", vae if vae is not None and hasattr(vae, "decoder") else None),
+                ("tiny_vae_decoder", "tiny VAE decoder", tiny_vae.get(target.pipe))]
+    for rep_name, label, owner in decoders:
+        if "vae" not in wanted or owner is None:
+            continue
+        if owner is vae and "vae-tiling" in flags.memory:
+            parts_rep[rep_name] = {"applied": False, "reason": "VAE tiling decodes tiles of several shapes (each "
+                                                               "would compile); the decoder runs eagerly"}
+        elif owner is vae and "vae" in exclude:
+            parts_rep[rep_name] = {"applied": False, "reason": exclude["vae"]}
         else:
             sub = {"applied": True}
-            key = _cache_key(target, flags, ctx, tiny.decoder)
-            tiny.decoder = compile_module(tiny.decoder, "module", mode, ctx.device, sub, cache, key, backend,
-                                          ctx.on_status)
-            parts_rep["tiny_vae_decoder"] = sub
-            done.append("tiny VAE decoder")
+            key = _cache_key(target, flags, ctx, owner.decoder)
+            owner.decoder = compile_module(owner.decoder, "module", mode, ctx.device, sub, cache, key, backend,
+                                           ctx.on_status)
+            parts_rep[rep_name] = sub
+            done.append(label)
     return done

@@ -98,6 +98,36 @@ def _from_pretrained(cls, src: str, local_files_only: bool):
         raise TinyVAEUnavailable(first[:300]) from None
 
 
+def available_locally(src: str) -> bool:
+    """Whether `src` can be loaded without the network: 'random', a folder with a config.json, or a hub id whose
+    config is in the local Hugging Face cache. (What previews in 'auto' mode use TAESD for: no download there.)"""
+    if src == RANDOM:
+        return True
+    path = Path(src).expanduser()
+    if path.is_absolute() or src.startswith((".", "~")) or path.exists():
+        return (path / "config.json").is_file()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(src, "config.json")
+    except Exception:                        # a malformed id, an unreadable cache: not available
+        return False
+    return isinstance(hit, str)
+
+
+def mismatch(tiny: Any, vae: Any, src: str) -> str | None:
+    """Why `tiny` cannot decode `vae`'s latents (channels or upsampling differ), or None."""
+    latent = int(getattr(vae.config, "latent_channels", 4))
+    got = int(getattr(tiny.config, "latent_channels", 4))
+    if got != latent:
+        return f"{src} decodes {got}-channel latents; this model's are {latent}-channel"
+    up = int(tiny.config.upsampling_scaling_factor) ** (len(tiny.config.decoder_block_out_channels) - 1)
+    want = 2 ** (len(vae.config.block_out_channels) - 1)
+    if up != want:
+        return f"{src} upsamples latents {up}x; this model's VAE {want}x"
+    return None
+
+
 def get(pipe: Any) -> Any | None:
     """The tiny decoder attached to a pipeline by `apply`, or None."""
     return getattr(pipe, ATTR, None)
@@ -122,13 +152,9 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
         tiny = load(src, dtype, ctx.device)  # ~5 MB: it stays on the device even under CPU offload
     except TinyVAEUnavailable as exc:
         return skipped(f"tiny autoencoder not loaded, the full VAE decodes: {exc}", source=src, family=family)
-    got = int(getattr(tiny.config, "latent_channels", 4))
-    if got != latent:
-        return skipped(f"{src} decodes {got}-channel latents; this model's are {latent}-channel", source=src)
-    up = int(tiny.config.upsampling_scaling_factor) ** (len(tiny.config.decoder_block_out_channels) - 1)
-    want = 2 ** (len(vae.config.block_out_channels) - 1)
-    if up != want:
-        return skipped(f"{src} upsamples latents {up}x; this model's VAE {want}x", source=src)
+    why = mismatch(tiny, vae, src)
+    if why:
+        return skipped(why, source=src)
     if flags.channels_last:
         tiny.to(memory_format=torch.channels_last)
     setattr(target.pipe, ATTR, tiny)

@@ -724,6 +724,9 @@ class DiffusionPipeline:
         # generations on one pipeline are serialised by the GPU lock, so reuse is safe.
         self._views: dict[tuple[str, str], Any] = {}
         self._token_counts: dict[str, int] = {}
+        # the tiny decoder loaded for previews alone (preview_method 'taesd'/'auto' without the toggle), or why not
+        self._preview_tiny: Any = None
+        self._preview_tiny_error: str | None = None
         # One CUDA graph per request shape (pipelines/request_graph.py): "capture" on a GPU when the flag asks for it;
         # "eager" runs the same static-buffer function without recording (the CPU tests use it); None: off.
         self._graphs = rgraph.RequestGraphs()
@@ -755,14 +758,54 @@ class DiffusionPipeline:
         return (sum(module_bytes(m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module))
                 + (module_bytes(tiny) if tiny is not None else 0))
 
-    def _preview(self, latents: torch.Tensor, size: tuple[int, int]) -> Image.Image:
-        """A live preview of the first image: through the tiny autoencoder when that toggle is on (A1111's TAESD
-        preview mode), else the linear latent-to-RGB map."""
-        tiny = tiny_vae.get(self.pipe)
-        if tiny is None:
+    def _preview_decoder(self, method: str, notes: list[str]) -> tuple[str, Any]:
+        """What draws this request's live previews: ('latent', None), ('full', None) or ('taesd', decoder).
+        'auto' takes the tiny decoder when the toggle loaded it or its weights are on disk (no download), as
+        ComfyUI's auto preview does; 'taesd' loads it (downloading if it must) and, failing that, says why in the
+        result's notes and previews with the latent map: a preview is never worth failing the job for."""
+        if method in ("latent", "full"):
+            return method, None
+        tiny = tiny_vae.get(self.pipe) or self._preview_tiny
+        if tiny is not None:
+            return "taesd", tiny
+        vae = getattr(self.pipe, "vae", None)
+        if vae is None or int(getattr(vae.config, "latent_channels", 4)) != 4:
+            if method == "taesd":
+                notes.append("previews: the tiny autoencoder decodes 4-channel SD latents only; the latent map was used")
+            return "latent", None
+        src = tiny_vae.source(self.family if self.family == "sdxl" else "sd", self.pipe)
+        if self._preview_tiny_error is None and (method == "taesd" or tiny_vae.available_locally(src)):
+            try:
+                cand = tiny_vae.load(src, _param_dtype(vae), self.device)
+                self._preview_tiny_error = tiny_vae.mismatch(cand, vae, src)
+                if self._preview_tiny_error is None:
+                    self._preview_tiny = cand
+                    return "taesd", cand
+            except tiny_vae.TinyVAEUnavailable as exc:
+                self._preview_tiny_error = str(exc)
+        if method == "taesd":
+            notes.append(f"previews: tiny autoencoder not loaded ({self._preview_tiny_error or 'not available'}); "
+                         f"the latent map was used")
+        return "latent", None
+
+    def _preview(self, latents: torch.Tensor, size: tuple[int, int],
+                 decoder: tuple[str, Any] = ("auto", None)) -> Image.Image:
+        """A live preview of the first image, drawn as `_preview_decoder` chose: the tiny autoencoder (A1111's
+        TAESD preview mode), the full VAE, or the linear latent-to-RGB map (also the fallback of a non-finite
+        decode: SDXL's fp16 VAE can overflow on a mid-denoise latent)."""
+        kind, tiny = decoder
+        if kind == "auto":                   # a caller that did not choose: what the toggle set up, else the map
+            tiny = tiny_vae.get(self.pipe)
+            kind = "taesd" if tiny is not None else "latent"
+        if kind == "latent":
             return latent_preview(latents, self.family, size)
         with torch.no_grad(), self._runtime():
-            img = tiny_vae.decode(tiny, latents[:1])[0]
+            if kind == "taesd":
+                img = tiny_vae.decode(tiny, latents[:1])[0]
+            else:
+                img = self._vae_decode(self.pipe, latents[:1], None, full=True)[0]
+        if not torch.isfinite(img).all():
+            return latent_preview(latents, self.family, size)
         arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
         im = Image.fromarray(arr, "RGB")
         return im if im.size == size else im.resize(size, Image.BILINEAR)
@@ -989,8 +1032,8 @@ class DiffusionPipeline:
                 with self._vae_dtype(vae, torch.float32), torch.autocast(device.type, enabled=False):
                     image = self._vae_decode(view, latents.float(), generator, full=True)
                 if torch.isfinite(image).all():
-                    what = f"the tiny autoencoder ({used})" if tiny is not None else f"VAE ({used})"
-                    notes.append(f"{what} produced NaN/Inf; the VAE decoded again in fp32")
+                    notes.append(f"the tiny autoencoder produced NaN/Inf in {used}; the VAE decoded again in fp32"
+                                 if tiny is not None else f"VAE produced NaN/Inf in {used}; decoded again in fp32")
             if not torch.isfinite(image).all():
                 raise AtelierError("the VAE produced NaN/Inf even in fp32: its weights look damaged. Try another VAE "
                                    "or re-download the model. (No image was returned rather than a black one.)")
@@ -1043,6 +1086,8 @@ class DiffusionPipeline:
         pacer = overlap.StepPacer(self.device)
 
         asked = sampler_steps(p.steps, p.strength if chk.task == "img2img" else None)
+        previewer = (self._preview_decoder(p.preview_method, chk.notes) if int(p.preview_every or 0) > 0
+                     else ("latent", None))
 
         def on_step_end(pipe, i, t, kw):
             pacer.step()             # on a GPU: wait for step i-2, so progress is at most two steps early
@@ -1052,7 +1097,7 @@ class DiffusionPipeline:
             preview = None
             k = int(p.preview_every or 0)
             if k > 0 and not repeat and (done % k == 0 or done == total):
-                preview = self._preview(kw["latents"], (int(p.width), int(p.height)))
+                preview = self._preview(kw["latents"], (int(p.width), int(p.height)), previewer)
             try:
                 job.check_cancelled() if repeat else job.step(done, total, preview)
             except Cancelled:

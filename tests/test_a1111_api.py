@@ -209,6 +209,21 @@ def test_options_refuse_unknown_models_and_keys_and_set_nothing(studio, sd):
     opts = _options(studio)
     assert opts["samples_format"] == "png" and opts["sd_vae"] == "None" and "no_such_option" not in opts
     assert _set_options(studio, {"sd_vae": "Automatic"}).status_code == 200
+    # A1111's live-preview display: honoured (it picks the /progress preview decoder), other values refused
+    assert opts["show_progress_type"] == "Approx NN"
+    r = _set_options(studio, {"show_progress_type": "Fancy"})
+    assert r.status_code == 422 and "TAESD" in r.json()["detail"] and "Approx cheap" in r.json()["detail"]
+    assert _set_options(studio, {"show_progress_type": "TAESD"}).status_code == 200
+    assert _options(studio)["show_progress_type"] == "TAESD"
+    assert _set_options(studio, {"show_progress_type": "Approx NN"}).status_code == 200
+
+
+def test_every_live_preview_display_maps_to_a_preview_method():
+    from core.types import PREVIEW_METHODS
+    from ui.a1111_api import OPTION_CHOICES, PREVIEW_METHOD_OF
+
+    assert set(PREVIEW_METHOD_OF) == set(OPTION_CHOICES["show_progress_type"])
+    assert set(PREVIEW_METHOD_OF.values()) <= set(PREVIEW_METHODS)
 
 
 def test_override_settings_name_a_model_by_model_name_or_title(studio, sd_b):

@@ -187,3 +187,79 @@ def test_compile_compiles_the_tiny_decoder_with_the_vae(tiny_sd_sdxl, taesd, mon
         assert type(pipe2.pipe.atelier_tiny_vae.decoder).__name__ != "OptimizedModule"
     finally:
         torch._dynamo.reset()
+
+
+def _decoder_runs(pipe, method, preview_every=1):
+    """(result, previews, tiny decoder calls, VAE decoder calls) of one 3-step request with `method` previews."""
+    tiny_calls, vae_calls, events = [], [], []
+    hooks = [_calls(pipe.pipe.vae.decoder, vae_calls)]
+    tiny = pipe.pipe.atelier_tiny_vae if hasattr(pipe.pipe, "atelier_tiny_vae") else None
+    res = None
+    try:
+        if tiny is not None:
+            hooks.append(_calls(tiny.decoder, tiny_calls))
+        res = pipe.generate(GenerationRequest("diffusion", pipe.model_id,
+                                              _params(preview_every=preview_every, preview_method=method)),
+                            Job(on_progress=events.append))
+    finally:
+        for h in hooks:
+            h.remove()
+    return res, [e.preview for e in events if e.preview is not None], tiny_calls, vae_calls
+
+
+def test_preview_methods_decode_previews_only(tiny_sd_sdxl, taesd, monkeypatch):
+    """Without the toggle, 'taesd' previews come from the tiny decoder and the final image from the full VAE, the
+    same image as with the latent-map previews; 'full' previews run the VAE decoder once per preview."""
+    monkeypatch.setenv("ATELIER_TINY_VAE", str(taesd))
+    pipe = _pipeline(tiny_sd_sdxl["sd"], Flags())
+    assert pipe.optimizations.get("tiny_vae") is None and tiny_vae_of(pipe) is None
+    base, prev_l, _, vae_l = _decoder_runs(pipe, "latent")
+    assert len(prev_l) == 3 and len(vae_l) == 1 and tiny_vae_of(pipe) is None      # the map: no decoder loaded
+    res, prev_t, _, vae_t = _decoder_runs(pipe, "taesd")
+    tiny = pipe._preview_tiny
+    assert tiny is not None and len(prev_t) == 3 and len(vae_t) == 1                 # the VAE decodes the image only
+    assert float(np.abs(res.raw - base.raw).max()) < 1e-5                           # previews do not touch the image
+    assert not any("previews" in n for n in res.notes)
+    # the first preview is the tiny decode of the latents after step 1
+    calls = []
+    h = _calls(tiny.decoder, calls)
+    try:
+        _decoder_runs(pipe, "taesd")
+    finally:
+        h.remove()
+    assert len(calls) == 3
+    _, prev_f, _, vae_f = _decoder_runs(pipe, "full")
+    assert len(prev_f) == 3 and len(vae_f) == 4                                     # 3 previews + the image
+    assert all(p.size == (64, 64) for p in prev_t + prev_f)
+    assert np.abs(np.asarray(prev_f[-1], np.float32) - np.asarray(base.images[0], np.float32)).max() <= 1.0
+    assert np.abs(np.asarray(prev_t[-1], np.float32) - np.asarray(prev_l[-1], np.float32)).mean() > 1.0
+
+
+def tiny_vae_of(pipe):
+    return getattr(pipe, "_preview_tiny", None)
+
+
+def test_auto_previews_use_taesd_only_when_it_is_on_disk(tiny_sd_sdxl, taesd, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATELIER_TINY_VAE", str(tmp_path / "no-such-taesd"))
+    pipe = _pipeline(tiny_sd_sdxl["sd"], Flags())
+    res, prev, _, _ = _decoder_runs(pipe, "auto")
+    assert len(prev) == 3 and tiny_vae_of(pipe) is None and not any("previews" in n for n in res.notes)
+    # asked for by name and missing: the previews fall back to the map and the result says why
+    res, prev, _, _ = _decoder_runs(pipe, "taesd")
+    assert len(prev) == 3 and any("previews: tiny autoencoder not loaded" in n and "no-such-taesd" in n
+                                  for n in res.notes), res.notes
+    monkeypatch.setenv("ATELIER_TINY_VAE", str(taesd))
+    pipe = _pipeline(tiny_sd_sdxl["sd"], Flags())
+    _decoder_runs(pipe, "auto")
+    assert tiny_vae_of(pipe) is not None                                           # on disk: auto takes it
+
+
+def test_a_bad_preview_method_is_refused():
+    from core.errors import InputError
+    from ui.controls import PREVIEW_CHOICES, diffusion_params
+
+    with pytest.raises(InputError, match="preview method must be one of auto, latent, taesd, full"):
+        _params(preview_method="nn")
+    assert {v for _, v in PREVIEW_CHOICES} == {"auto", "latent", "taesd", "full"}
+    p = diffusion_params("a fox", "", "3", 4, 7.0, "512x512", "default", 1, None, 0.75, 2, "TAESD")
+    assert p.preview_method == "taesd" and p.preview_every == 2

@@ -158,6 +158,9 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     fill(page, "negative-prompt-input", "blurry, low quality")
     set_number(page, "steps-input", 8)
     set_number(page, "preview-every", 2)
+    page.locator("#preview-method input").click()          # previews through the model's own VAE
+    page.locator("[role=listbox] [role=option]", has_text="Full VAE").click()
+    page.wait_for_function("document.querySelector('#preview-method input').value.startsWith('Full VAE')")
     size = page.locator("#size-select input")
     size.fill("64x64")
     size.press("Enter")

@@ -67,7 +67,11 @@ UNSUPPORTED = {                       # A1111 fields with an effect Atelier does
 }
 OPTION_CHOICES = {                    # A1111 options POST /options takes besides sd_model_checkpoint: what Atelier honours
     "samples_format": ("png",), "sd_vae": ("Automatic", "None"), "CLIP_stop_at_last_layers": (1,),
+    # A1111's "Live preview display": what draws /progress's current_image. A1111 defaults to "Approx NN" (a small
+    # CNN Atelier does not have); "Approx NN" and "Approx cheap" both draw the linear latent map here.
+    "show_progress_type": ("Approx NN", "Approx cheap", "TAESD", "Full"),
 }
+PREVIEW_METHOD_OF = {"Approx NN": "latent", "Approx cheap": "latent", "TAESD": "taesd", "Full": "full"}
 _decode_slots = threading.BoundedSemaphore(2)
 
 
@@ -563,7 +567,8 @@ class A1111Api:
         p = request.params
         # A1111 previews every few steps while a job runs and, when interrupted, decodes the latents it had
         request = dataclasses.replace(request, params=dataclasses.replace(
-            p, preview_every=min(PREVIEW_EVERY, p.steps), partial_on_cancel=True))
+            p, preview_every=min(PREVIEW_EVERY, p.steps), partial_on_cancel=True,
+            preview_method=PREVIEW_METHOD_OF[self.options["show_progress_type"]]))
         p = request.params
         job = Job(on_progress=self._on_progress)
         images, metas, timings = [], [], {}

@@ -117,8 +117,14 @@ def diffusion_seed(seed_text: str) -> int:
     return check_seed(t)
 
 
+# the studio's "Preview with" dropdown: (label, DiffusionParams.preview_method)
+PREVIEW_CHOICES = [("Auto", "auto"), ("Latent map (fastest)", "latent"), ("TAESD (tiny autoencoder)", "taesd"),
+                   ("Full VAE (exact, slowest)", "full")]
+
+
 def diffusion_params(prompt: str, negative_prompt: str, seed_text: str, steps, guidance, size: str, scheduler: str,
-                     batch_size, init_image: str | None, strength, preview_every) -> DiffusionParams:
+                     batch_size, init_image: str | None, strength, preview_every,
+                     preview_method: str | None = "auto") -> DiffusionParams:
     if not str(prompt or "").strip():
         raise InputError("write a prompt first: the diffusion backend needs a text prompt")
     w, h = parse_size(size)
@@ -132,7 +138,8 @@ def diffusion_params(prompt: str, negative_prompt: str, seed_text: str, steps, g
                            seed=diffusion_seed(seed_text), steps=steps, guidance=float(guidance), width=w, height=h,
                            scheduler=scheduler or "default", batch_size=max(1, _opt_int(batch_size) or 1),
                            init_image=init_image or None, strength=strength,
-                           preview_every=max(0, _opt_int(preview_every) or 0))
+                           preview_every=max(0, _opt_int(preview_every) or 0),
+                           preview_method=str(preview_method or "auto").strip().lower())
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,7 @@ def job_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
         params = diffusion_params(v.get("prompt", ""), v.get("negative_prompt", ""), v.get("seed", ""),
                                   v.get("steps", 25), v.get("guidance", 7.0), v.get("size", SIZE_PRESETS[0]),
                                   v.get("scheduler", "default"), v.get("batch_size", 1), v.get("init_image"),
-                                  v.get("strength", 0.75), v.get("preview_every", 0))
+                                  v.get("strength", 0.75), v.get("preview_every", 0), v.get("preview_method", "auto"))
         return JobSpec(GenerationRequest("diffusion", model, params, flags, device), "diffusion")
     if backend != "stylegan":
         raise InputError(f"backend must be stylegan or diffusion; got {backend!r}")

@@ -57,6 +57,7 @@ class StudioForm:
     fuse_qkv: bool | None = None               # diffusion: fused Q/K/V projections
     request_graph: bool | None = None          # diffusion on a GPU: one CUDA graph per request
     tiny_vae: bool | None = None               # diffusion: TAESD decode and previews
+    preview_method: str | None = None          # diffusion: what draws live previews (core.types.PREVIEW_METHODS)
 
     def given(self) -> dict[str, Any]:
         """The controls that carry a value, by name (what `job_spec` reads; the rest take its defaults)."""

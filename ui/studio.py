@@ -26,7 +26,7 @@ from pipelines.services import Services
 from telemetry.metrics import CONTENT_TYPE_LATEST
 from ui import history, panel, startup_check, zerogpu
 from ui.access import AccessGuard, LoginLimiter, share_warning
-from ui.controls import DEFAULT_SEED_TEXT, MEMORY_SAVERS, SIZE_PRESETS, seed_label
+from ui.controls import DEFAULT_SEED_TEXT, MEMORY_SAVERS, PREVIEW_CHOICES, SIZE_PRESETS, seed_label
 from ui.form import CONTROL_NAMES, check_components  # noqa: F401  (CONTROL_NAMES: tests)
 # the handlers live in ui/handlers.py; these names stay importable from here (tests, scripts)
 from ui.handlers import (ALREADY_RUNNING, FAST_TICK_S, MIX_LAYERS_UNKNOWN, NO_JOB, SLOW_TICK_S,  # noqa: F401
@@ -187,6 +187,10 @@ def build_app(services: Services) -> gr.Blocks:
                                 C["preview_every"] = gr.Slider(0, 10, value=5, step=1, label="Preview every",
                                                                info="steps; 0 = off",
                                                                elem_id="preview-every")
+                                C["preview_method"] = gr.Dropdown(
+                                    PREVIEW_CHOICES, value="auto", label="Preview with",
+                                    info="previews only; Auto: TAESD when its weights are here, else the latent map",
+                                    elem_id="preview-method")
                             with gr.Accordion("Image to image", open=False, elem_id="img2img"):
                                 C["init_image"] = gr.Image(type="filepath", label="Start image",
                                                            sources=["upload", "clipboard"], elem_id="init-image", height=180)
