@@ -431,13 +431,44 @@ def _stylegan_options(synthesis: torch.nn.Module) -> dict | None:
     return opts or None
 
 
+# Inductor's kernel tuning for the diffusion parts, an A/B switch for the H200 (not the default until measured):
+# "coordinate" = coordinate-descent tuning of every generated (pointwise, reduction, norm) kernel's launch
+# config, all directions, and 1x1 convolutions as matrix products (what PyTorch's "Diffusion, fast" SDXL recipe
+# sets); "max-autotune" = that plus GEMM/convolution template autotuning against cuBLAS/cuDNN. Both lengthen
+# the first compile (minutes for SDXL); the compile cache keeps the choices for later starts.
+TUNING_ENV = "ATELIER_INDUCTOR_TUNING"
+TUNINGS = ("off", "coordinate", "max-autotune")
+
+
+def diffusion_tuning() -> str:
+    raw = os.environ.get(TUNING_ENV, "").strip().lower() or "off"
+    if raw not in TUNINGS:
+        raise AtelierError(f"{TUNING_ENV} must be one of {', '.join(TUNINGS)}; got {raw!r}")
+    return raw
+
+
+def _diffusion_options() -> dict | None:
+    """The inductor options of the diffusion parts under ATELIER_INDUCTOR_TUNING, or None (inductor's defaults)."""
+    tuning = diffusion_tuning()
+    if tuning == "off":
+        return None
+    opts = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
+            "conv_1x1_as_mm": True}
+    if tuning == "max-autotune":
+        opts["max_autotune"] = True
+    return opts
+
+
 def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component: torch.nn.Module) -> str:
     """Names the artifacts file. Every flag that changes the traced graph is in it (FP8, pruning, layout,
     attention...): two configurations of one model must not overwrite each other's file, or the next
     start of the other one compiles from scratch again."""
     ident = ctx.weights_hash or ",".join(f"{tuple(p.shape)}" for p in list(component.parameters())[:64])
     graph_flags = json.dumps({k: v for k, v in flags.to_dict().items() if k != "strict"}, sort_keys=True)
+    tuning = diffusion_tuning() if target.kind == "diffusion" else "off"
     raw = f"{target.kind}|{graph_flags}|{capability(ctx.device)}|{type(component).__name__}|{ident}"
+    if tuning != "off":                      # another tuning is another artifact (keys of untuned parts unchanged)
+        raw += f"|tuning={tuning}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -484,9 +515,12 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str =
         unet = target.get("unet")
         key = _cache_key(target, flags, ctx, unet)
         target.set("unet", compile_module(unet, "unet", effective, ctx.device, rep,
-                                          cache if backend == "inductor" else None, key, backend, ctx.on_status))
+                                          cache if backend == "inductor" else None, key, backend, ctx.on_status,
+                                          inductor_options=_diffusion_options()))
         rep.update(component="unet",
                    reason="UNet compiled; each resolution and batch compiles once (first run for a size takes a while)")
+        if diffusion_tuning() != "off":
+            rep["tuning"] = diffusion_tuning()
         others = _compile_other_parts(target, flags, ctx, effective, rep, cache if backend == "inductor" else None,
                                       backend, exclude or {})
         if others:
@@ -536,7 +570,8 @@ def _compile_other_parts(target: Target, flags: OptimizationFlags, ctx: Context,
                 continue
             sub: dict = {"applied": True}
             key = _cache_key(target, flags, ctx, te)
-            target.set(name, compile_module(te, "module", mode, ctx.device, sub, cache, key, backend, ctx.on_status))
+            target.set(name, compile_module(te, "module", mode, ctx.device, sub, cache, key, backend, ctx.on_status,
+                                            inductor_options=_diffusion_options()))
             parts_rep[name] = sub
             done.append(name)
     # The VAE's decoder, and the tiny autoencoder's when that toggle decodes instead (one fixed shape per
@@ -558,7 +593,7 @@ def _compile_other_parts(target: Target, flags: OptimizationFlags, ctx: Context,
             sub = {"applied": True}
             key = _cache_key(target, flags, ctx, owner.decoder)
             owner.decoder = compile_module(owner.decoder, "module", mode, ctx.device, sub, cache, key, backend,
-                                           ctx.on_status)
+                                           ctx.on_status, inductor_options=_diffusion_options())
             parts_rep[rep_name] = sub
             done.append(label)
     return done

@@ -14,6 +14,9 @@
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
 #   tests   the gpu-marked diffusion tests (log under $OUT)
 #   rgtests the request-graph GPU tests but the AOT one (log under $OUT/rg-tests.log; ~2 min)
+#   tuning  TUNING_WORKLOAD's (default sdxl-1024) best with inductor's kernel tuning, ATELIER_INDUCTOR_TUNING=TUNING
+#           (coordinate | max-autotune; default coordinate), as config tuned-TUNING: A/B it against the same
+#           call's `best` row (e.g. `SDXL_CONFIGS=best ... sdxl tuning`)
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
@@ -46,8 +49,14 @@ for p in sys.argv[1:]:
                 raise ValueError("not a diffusion workload")
             if not env.get("WEIGHTS"):
                 raise ValueError("needs WEIGHTS=FOLDER (outside $OUT)")
+        elif p == "tuning":
+            from optim.compile import TUNINGS
+            if env.get("TUNING", "coordinate") not in TUNINGS[1:]:
+                raise ValueError(f"TUNING must be one of {', '.join(TUNINGS[1:])}")
+            configs(env.get("TUNING_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
         elif p not in ("fp8", "tests", "rgtests", "aottest"):
-            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tests, rgtests, aottest)")
+            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, tests, rgtests, "
+                             "aottest)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -79,6 +88,10 @@ for part in "$@"; do
             python3 -m bench.summary --first-image "$OUT/warm0-$w/bench.jsonl" ;;
     sdxl) timeout ${SDXL_TIMEOUT:-560} $BENCH --workload sdxl-1024 --repeats ${SDXL_REPEATS:-3} \
             --configs "${SDXL_CONFIGS:-baseline,best,best-fp8}" --profile "${SDXL_PROFILE:-best}" --out "$OUT/sdxl" ;;
+    tuning) w=${TUNING_WORKLOAD:-sdxl-1024}; t=${TUNING:-coordinate}
+            share_ref $w "$OUT/tuning"
+            ATELIER_INDUCTOR_TUNING=$t timeout ${TUNING_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
+              --configs "tuned-$t@$(flags_of_best $w)" --profile "tuned-$t" --out "$OUT/tuning" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"
          for f in ${FP8_FILTERS:-640 320}; do
            ATELIER_FP8_MIN_FEATURES=$f timeout ${FP8_TIMEOUT:-200} $BENCH --workload sd15-512 --profile none \

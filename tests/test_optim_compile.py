@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 
 import optim
+from core.errors import AtelierError
 from core.types import OptimizationFlags as Flags
 from optim import compile as oc
 from optim.targets import Context, resolve
@@ -346,3 +347,37 @@ def test_gpu_unet_compile_reduce_overhead(tmp_path, dynamo_clean):
     assert torch.equal(kept, snapshot) and not torch.equal(kept, other)
     torch._dynamo.config.error_on_recompile = True
     run(pipe, seed=3)
+
+
+def test_inductor_tuning_switch_reaches_every_diffusion_part(tmp_path, dynamo_clean, monkeypatch):
+    """ATELIER_INDUCTOR_TUNING (the H200 A/B switch): its inductor options are ones torch knows, every compiled
+    diffusion part gets them, the cache key changes with it (so tuned and untuned artifacts never mix), and a
+    typo is an error naming the choices."""
+    from tests.optim_tiny import tiny_pipeline
+
+    monkeypatch.delenv(oc.TUNING_ENV, raising=False)
+    assert oc._diffusion_options() is None
+    pipe = tiny_pipeline()
+    target = resolve(pipe, "diffusion")
+    ctx = Context(CPU, tmp_path)
+    plain_key = oc._cache_key(target, Flags(compile="default"), ctx, pipe.unet)
+    monkeypatch.setenv(oc.TUNING_ENV, "coordinate")
+    opts = oc._diffusion_options()
+    assert opts["coordinate_descent_tuning"] and "max_autotune" not in opts
+    assert oc._cache_key(target, Flags(compile="default"), ctx, pipe.unet) != plain_key
+    torch.compile(torch.nn.Linear(2, 2), options=dict(opts, **{"triton.cudagraphs": True}))   # names torch knows
+    monkeypatch.setenv(oc.TUNING_ENV, "max-autotune")
+    assert oc._diffusion_options()["max_autotune"]
+    seen, real = [], oc.compile_module
+
+    def recording(module, *args, **kw):           # the real compile, with what each part was given noted
+        seen.append((type(module).__name__, kw.get("inductor_options")))
+        return real(module, *args, **kw)
+    monkeypatch.setattr(oc, "compile_module", recording)
+    report = oc.apply(target, Flags(compile="default"), ctx, backend="eager")
+    assert report["applied"] and report["tuning"] == "max-autotune"
+    assert {name for name, _ in seen} >= {"UNet2DConditionModel", "CLIPTextModel", "Decoder"}, seen
+    assert all(o and o["max_autotune"] and o["coordinate_descent_tuning"] for _, o in seen), seen
+    monkeypatch.setenv(oc.TUNING_ENV, "fastest")
+    with pytest.raises(AtelierError, match="ATELIER_INDUCTOR_TUNING must be one of off, coordinate, max-autotune"):
+        oc._diffusion_options()
