@@ -150,6 +150,7 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     tiny = tiny_sd_folder(tmp_path_factory)
     page.locator("#backend-select label", has_text="Diffusion").click()
     page.locator("#prompt-input textarea").wait_for(state="visible")
+    assert not page.locator("#prompt-drop-file").is_visible()      # the PNG drop target is never shown
     page.locator("#add-model").get_by_text("Add a model").click()
     fill(page, "add-model-input", str(tiny))
     page.click("#add-model-btn")
@@ -189,6 +190,7 @@ def test_diffusion_generate_in_the_browser(page, tmp_path_factory):
     assert "watercolor fox" in params and "diffusion" in params
     assert re.search(r'"width"\s*:\s*64', params), params
     page.wait_for_function("document.querySelector('#latency-readout').innerText.includes('denoise')")
+    page.evaluate("window.scrollTo(0, 0)")
     shot(page, "studio-diffusion.png")
 
 
