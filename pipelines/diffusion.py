@@ -754,7 +754,7 @@ class DiffusionPipeline:
         return report
 
     def memory_bytes(self) -> int:
-        tiny = tiny_vae.get(self.pipe)
+        tiny = tiny_vae.get(self.pipe) or self._preview_tiny      # the toggle's decoder, or the previews' own
         return (sum(module_bytes(m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module))
                 + (module_bytes(tiny) if tiny is not None else 0))
 
