@@ -1163,7 +1163,8 @@ class DiffusionPipeline:
             vae = self.pipe.vae
             if getattr(self.pipe, "text_encoder", None) is None or getattr(self.pipe, "text_encoder_2", None) is None:
                 return "SDXL models without both text encoders (refiners) run the normal path"
-            if _param_dtype(vae) == torch.float16 and vae.config.get("force_upcast", False):
+            if (_param_dtype(vae) == torch.float16 and vae.config.get("force_upcast", False)
+                    and tiny_vae.get(self.pipe) is None):     # TAESDXL, when it decodes, runs in fp16 as it is
                 return "SDXL's VAE decodes in fp32 under fp16 weights (a weight cast per request); use bf16"
             if vae.config.get("latents_mean") is not None:
                 return "VAEs with latent mean/std normalisation run the normal path"
