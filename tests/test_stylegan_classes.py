@@ -195,5 +195,6 @@ def test_class_box_lists_the_models_classes_without_loading_it(tmp_path):
     assert box.choices == [] and box.info == "unconditional model"
     assert class_choices(services, "diffusion", str(EMOJI)).choices == []
     assert classes_of_file(SG_COND) is None                           # a pickle: no JSON to read before it runs
-    assert class_choices(services, "stylegan", str(SG_COND)).choices == []
+    box = class_choices(services, "stylegan", str(SG_COND))
+    assert box.choices == [] and "type an index" in box.info
     assert not services.manager.loaded()

@@ -345,8 +345,10 @@ def class_choices(services: Services, backend: str, model: str | None):
     """The Class box lists the selected model's classes ("32 · animal-mammal"; the value is the index) and still
     takes typed text (an index or a name). Unconditional: empty, and says so. A new model starts with no class."""
     known = services.manager.classes(model or None) if backend == "stylegan" else None
-    if known is None:
-        return gr.Dropdown(choices=[], value=None, info=None)
+    if known is None:                        # a pickle not run yet: its classes are unknown until it loads
+        return gr.Dropdown(choices=[], value=None,
+                           info="type an index, or leave it empty"
+                           if backend == "stylegan" else None)
     c_dim, names = known
     if not c_dim:
         return gr.Dropdown(choices=[], value=None, info="unconditional model")
