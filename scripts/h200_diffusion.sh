@@ -17,6 +17,8 @@
 #   tuning  TUNING_WORKLOAD's (default sdxl-1024) best with inductor's kernel tuning, ATELIER_INDUCTOR_TUNING=TUNING
 #           (coordinate | max-autotune; default coordinate), as config tuned-TUNING: A/B it against the same
 #           call's `best` row (e.g. `SDXL_CONFIGS=best ... sdxl tuning`)
+#   sdpa    python3 -m bench.sdpa: every SDPA backend on each attention shape the workloads call (SDPA_WORKLOADS,
+#           default sd15-512,sdxl-1024,sd-turbo-512; $OUT/sdpa.json; ~2 min)
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
@@ -54,9 +56,13 @@ for p in sys.argv[1:]:
             if env.get("TUNING", "coordinate") not in TUNINGS[1:]:
                 raise ValueError(f"TUNING must be one of {', '.join(TUNINGS[1:])}")
             configs(env.get("TUNING_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
+        elif p == "sdpa":
+            for w in parse_list(env.get("SDPA_WORKLOADS") or "sd15-512,sdxl-1024,sd-turbo-512"):
+                if get_workload(w).kind != "diffusion":
+                    raise ValueError(f"{w} is not a diffusion workload")
         elif p not in ("fp8", "tests", "rgtests", "aottest"):
-            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, tests, rgtests, "
-                             "aottest)")
+            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, sdpa, tests, "
+                             "rgtests, aottest)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -92,6 +98,8 @@ for part in "$@"; do
             share_ref $w "$OUT/tuning"
             ATELIER_INDUCTOR_TUNING=$t timeout ${TUNING_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
               --configs "tuned-$t@$(flags_of_best $w)" --profile "tuned-$t" --out "$OUT/tuning" ;;
+    sdpa) timeout ${SDPA_TIMEOUT:-240} python3 -m bench.sdpa --workloads "${SDPA_WORKLOADS:-sd15-512,sdxl-1024,sd-turbo-512}" \
+            --out "$OUT/sdpa.json" 2>&1 | grep -v "kept in float32" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"
          for f in ${FP8_FILTERS:-640 320}; do
            ATELIER_FP8_MIN_FEATURES=$f timeout ${FP8_TIMEOUT:-200} $BENCH --workload sd15-512 --profile none \

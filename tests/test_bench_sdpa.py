@@ -1,0 +1,67 @@
+"""bench.sdpa: the attention shapes a diffusion workload calls, each SDPA backend timed on them (CPU: the tiny
+SD workload; the H200 run says which backend wins per shape)."""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from bench import sdpa
+from tests.optim_helpers import CPU
+
+
+def test_shapes_come_from_the_real_pipeline_and_every_backend_is_timed_or_says_why(tmp_path):
+    original = F.scaled_dot_product_attention
+    out = tmp_path / "sdpa.json"
+    report = sdpa.run(["sd-tiny"], CPU, iters=2, out=out)
+    assert F.scaled_dot_product_attention is original                 # the recorder put SDPA back
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    wl = report["workloads"][0]
+    assert wl["workload"] == "sd-tiny" and wl["unet_calls_per_image"] >= wl["steps"]
+    parts = {r["part"] for r in wl["shapes"]}
+    assert {"unet", "vae_decoder", "text_encoder"} <= parts
+    unet = [r for r in wl["shapes"] if r["part"] == "unet"]
+    assert any(r["k_len"] == 77 for r in unet) and any(r["k_len"] == r["q_len"] for r in unet)   # cross and self
+    for r in unet:
+        assert r["batch"] == 2                                        # CFG: the negative and the prompt together
+        assert r["calls_per_image"] == round(r["calls_per_unet_call"] * wl["unet_calls_per_image"])
+    for r in wl["shapes"]:
+        if r["masked"]:
+            assert r["times"] is None and "not timed" in r["note"]
+            continue
+        for name in ("default", "math"):
+            t = r["times"][name]
+            assert t["ms"] > 0 and t["rel_err"] < 1e-4, (name, t)    # fp32 on the CPU: all agree with the reference
+        for name in sdpa.BACKENDS:
+            t = r["times"][name]
+            assert ("ms" in t) != ("unavailable" in t)
+            assert "unavailable" not in t or len(t["unavailable"]) > 10
+        assert r["best"] in ("default",) + sdpa.BACKENDS
+
+
+def test_pick_takes_the_fastest_backend_within_the_default_error():
+    row = {"calls_per_image": 100}
+    times = {"default": {"ms": 1.0, "rel_err": 1e-3}, "flash": {"ms": 0.8, "rel_err": 1e-3},
+             "efficient": {"ms": 0.5, "rel_err": 0.5},                  # fast but wrong: not picked
+             "cudnn": {"unavailable": "No available kernel. Aborting execution."}, "math": {"ms": 3.0, "rel_err": 0.0}}
+    got = sdpa.pick(row, times)
+    assert got["best"] == "flash" and abs(got["saving_ms_per_image"] - 20.0) < 1e-9
+    assert sdpa.pick(row, {"default": {"unavailable": "x"}}) == {"best": None}
+
+
+def test_recording_names_the_part_and_leaves_hooks_and_sdpa_as_they_were():
+    lin = torch.nn.Linear(4, 4)
+    q = torch.randn(1, 2, 5, 4)
+
+    class Attn(torch.nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x)
+    m = Attn()
+    with sdpa.recording({"unet": m, "other_part": lin}) as calls:
+        m(q)
+        m(q)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)       # outside any part
+    assert calls[("unet", 1, 2, 5, 5, 4, 4, "float32", False)] == 2
+    assert calls[("other", 1, 2, 5, 5, 4, 4, "float32", True)] == 1
+    assert calls.entered["unet"] == 2 and not m._forward_pre_hooks and not m._forward_hooks
