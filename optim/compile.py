@@ -469,6 +469,9 @@ def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component
     raw = f"{target.kind}|{graph_flags}|{capability(ctx.device)}|{type(component).__name__}|{ident}"
     if tuning != "off":                      # another tuning is another artifact (keys of untuned parts unchanged)
         raw += f"|tuning={tuning}"
+    route = os.environ.get("ATELIER_SDPA_ROUTE", "").strip() if target.kind == "diffusion" else ""
+    if route:                                # routed attention traces other SDPA kernels
+        raw += f"|sdpa={route}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -9,6 +9,7 @@ Order, and why:
                 (it refuses non-SDPA processors rather than undo them); before FP8, TensorRT and compile,
                 which must see the fused layers
  4c. tiny_vae   TAESD loaded next to the VAE in its final dtype and layout (the VAE stays, for encoding)
+ 4d. sdpa routes ATELIER_SDPA_ROUTE: the SDPA backend per kind of call (self / cross / VAE), an A/B switch
  5. fp8         quantizes the final-dtype linear layers
  6. tensorrt    exports what the steps above produced
  7. compile     last: it traces everything above (and skips what TensorRT serves); under a request graph
@@ -113,6 +114,10 @@ def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, k
         report["fuse_qkv"] = _fused_qkv.apply(target, flags, ctx)
     if flags.tiny_vae:          # 4c. after precision and channels_last, whose dtype and layout it copies
         report["tiny_vae"] = _tiny_vae.apply(target, flags, ctx)
+    # 4d. the SDPA backend per kind of call (ATELIER_SDPA_ROUTE, an A/B switch), over whatever processors are set
+    routes = _attention.sdpa_routes() if target.kind == "diffusion" and flags.attention == "sdpa" else {}
+    if routes:
+        report["attention"] = _attention.apply_routes(target, routes)
     # 5-7. FP8, TensorRT, compile
     if flags.fp8:
         report["fp8"] = _fp8.apply(target, flags, ctx)

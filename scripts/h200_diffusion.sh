@@ -19,6 +19,8 @@
 #           call's `best` row (e.g. `SDXL_CONFIGS=best ... sdxl tuning`)
 #   sdpa    python3 -m bench.sdpa: every SDPA backend on each attention shape the workloads call (SDPA_WORKLOADS,
 #           default sd15-512,sdxl-1024,sd-turbo-512; $OUT/sdpa.json; ~2 min)
+#   envab   AB_WORKLOAD's (default sdxl-1024) best under one environment setting AB_ENV=VAR=VALUE (an A/B switch such
+#           as ATELIER_SDPA_ROUTE=cross=efficient), as config AB_NAME (default envab): compare with the call's `best`
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
@@ -56,13 +58,18 @@ for p in sys.argv[1:]:
             if env.get("TUNING", "coordinate") not in TUNINGS[1:]:
                 raise ValueError(f"TUNING must be one of {', '.join(TUNINGS[1:])}")
             configs(env.get("TUNING_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
+        elif p == "envab":
+            var, eq, _ = env.get("AB_ENV", "").partition("=")
+            if not eq or not var.startswith("ATELIER_"):
+                raise ValueError("needs AB_ENV=ATELIER_...=VALUE (e.g. AB_ENV=ATELIER_SDPA_ROUTE=cross=efficient)")
+            configs(env.get("AB_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
         elif p == "sdpa":
             for w in parse_list(env.get("SDPA_WORKLOADS") or "sd15-512,sdxl-1024,sd-turbo-512"):
                 if get_workload(w).kind != "diffusion":
                     raise ValueError(f"{w} is not a diffusion workload")
         elif p not in ("fp8", "tests", "rgtests", "aottest"):
-            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, sdpa, tests, "
-                             "rgtests, aottest)")
+            raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, envab, sdpa, "
+                             "tests, rgtests, aottest)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -98,6 +105,10 @@ for part in "$@"; do
             share_ref $w "$OUT/tuning"
             ATELIER_INDUCTOR_TUNING=$t timeout ${TUNING_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
               --configs "tuned-$t@$(flags_of_best $w)" --profile "tuned-$t" --out "$OUT/tuning" ;;
+    envab) w=${AB_WORKLOAD:-sdxl-1024}; n=${AB_NAME:-envab}
+           share_ref $w "$OUT/envab"
+           env "$AB_ENV" timeout ${AB_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
+             --configs "$n@$(flags_of_best $w)" --profile "$n" --out "$OUT/envab" ;;
     sdpa) timeout ${SDPA_TIMEOUT:-240} python3 -m bench.sdpa --workloads "${SDPA_WORKLOADS:-sd15-512,sdxl-1024,sd-turbo-512}" \
             --out "$OUT/sdpa.json" 2>&1 | grep -v "kept in float32" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"
