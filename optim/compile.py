@@ -469,9 +469,11 @@ def _cache_key(target: Target, flags: OptimizationFlags, ctx: Context, component
     raw = f"{target.kind}|{graph_flags}|{capability(ctx.device)}|{type(component).__name__}|{ident}"
     if tuning != "off":                      # another tuning is another artifact (keys of untuned parts unchanged)
         raw += f"|tuning={tuning}"
-    route = os.environ.get("ATELIER_SDPA_ROUTE", "").strip() if target.kind == "diffusion" else ""
-    if route:                                # routed attention traces other SDPA kernels
-        raw += f"|sdpa={route}"
+    from optim.attention import sdpa_routes
+
+    routes = sdpa_routes() if target.kind == "diffusion" else {}
+    if routes:                               # routed attention traces other SDPA kernels
+        raw += "|sdpa=" + ",".join(f"{p}={'/'.join(b)}" for p, b in sorted(routes.items()))
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

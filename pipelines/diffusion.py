@@ -653,9 +653,14 @@ def latent_preview(latents: torch.Tensor, family: str, size: tuple[int, int] | N
     else:   # a model with another latent width: show three channels, normalised
         rgb = lat[:3] if lat.shape[0] >= 3 else lat[:1].expand(3, -1, -1)
         rgb = rgb / (rgb.abs().amax() + 1e-6)
-    arr = ((rgb.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    return rgb_image(rgb, size)
+
+
+def rgb_image(rgb: torch.Tensor, size: tuple[int, int] | None = None) -> Image.Image:
+    """A [3, h, w] picture in [-1, 1] (any device or dtype) as an 8-bit PIL image, resized to `size` (w, h)."""
+    arr = ((rgb.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     im = Image.fromarray(arr, "RGB")
-    return im.resize(size, Image.BILINEAR) if size else im
+    return im.resize(size, Image.BILINEAR) if size and im.size != tuple(size) else im
 
 
 # ==================================================================================================
@@ -788,15 +793,11 @@ class DiffusionPipeline:
                          f"the latent map was used")
         return "latent", None
 
-    def _preview(self, latents: torch.Tensor, size: tuple[int, int],
-                 decoder: tuple[str, Any] = ("auto", None)) -> Image.Image:
+    def _preview(self, latents: torch.Tensor, size: tuple[int, int], decoder: tuple[str, Any]) -> Image.Image:
         """A live preview of the first image, drawn as `_preview_decoder` chose: the tiny autoencoder (A1111's
         TAESD preview mode), the full VAE, or the linear latent-to-RGB map (also the fallback of a non-finite
         decode: SDXL's fp16 VAE can overflow on a mid-denoise latent)."""
         kind, tiny = decoder
-        if kind == "auto":                   # a caller that did not choose: what the toggle set up, else the map
-            tiny = tiny_vae.get(self.pipe)
-            kind = "taesd" if tiny is not None else "latent"
         if kind == "latent":
             return latent_preview(latents, self.family, size)
         with torch.no_grad(), self._runtime():
@@ -806,9 +807,7 @@ class DiffusionPipeline:
                 img = self._vae_decode(self.pipe, latents[:1], None, full=True)[0]
         if not torch.isfinite(img).all():
             return latent_preview(latents, self.family, size)
-        arr = ((img.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-        im = Image.fromarray(arr, "RGB")
-        return im if im.size == size else im.resize(size, Image.BILINEAR)
+        return rgb_image(img, size)
 
     # -- 1. input checks (no device work) ---------------------------------------------------------------
     def check_inputs(self, p: DiffusionParams, task: str | None = None) -> CheckedInputs:

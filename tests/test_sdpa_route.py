@@ -84,3 +84,18 @@ def test_routed_processors_trace_under_dynamo_without_breaks(monkeypatch):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_route_gets_its_own_compile_cache_entry(tmp_path, monkeypatch):
+    from optim import compile as oc
+    from optim.targets import Context, resolve
+    from tests.optim_tiny import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    target, ctx = resolve(pipe, "diffusion"), Context(CPU, tmp_path)
+    monkeypatch.delenv(oa.ROUTE_ENV, raising=False)
+    plain = oc._cache_key(target, Flags(compile="default"), ctx, pipe.unet)
+    monkeypatch.setenv(oa.ROUTE_ENV, "cross=math")
+    routed = oc._cache_key(target, Flags(compile="default"), ctx, pipe.unet)
+    monkeypatch.setenv(oa.ROUTE_ENV, " CROSS=math ")                 # the same route, spelled otherwise
+    assert routed != plain and oc._cache_key(target, Flags(compile="default"), ctx, pipe.unet) == routed

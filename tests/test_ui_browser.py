@@ -453,5 +453,9 @@ def test_class_dropdown_lists_a_conditional_models_classes(page):
     generate(page, "3-4", 2)
     page.wait_for_function("[...document.querySelectorAll('#output-gallery .caption-label')]"
                            ".filter(e => e.innerText.includes('animal-mammal')).length >= 2")
+    captions = page.locator("#output-gallery .caption-label").all_inner_texts()
+    assert sum("animal-mammal" in c for c in captions) >= 2, captions
     page.locator("#output-gallery img").first.click()
     page.wait_for_function("document.querySelector('#selected-params').innerText.includes('animal-mammal')")
+    params = page.inner_text("#selected-params")
+    assert re.search(r'"class_index"\s*:\s*32', params), params
