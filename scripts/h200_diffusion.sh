@@ -21,6 +21,8 @@
 #           default sd15-512,sdxl-1024,sd-turbo-512; $OUT/sdpa.json; ~2 min)
 #   envab   AB_WORKLOAD's (default sdxl-1024) best under one environment setting AB_ENV=VAR=VALUE (an A/B switch such
 #           as ATELIER_SDPA_ROUTE=cross=efficient), as config AB_NAME (default envab): compare with the call's `best`
+#   imports where a new process's import of the diffusion stack goes (the second start's largest part): two runs
+#           of python -X importtime with the wheels' bytecode and one without it, $OUT/importtime-*.txt
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
@@ -67,9 +69,9 @@ for p in sys.argv[1:]:
             for w in parse_list(env.get("SDPA_WORKLOADS") or "sd15-512,sdxl-1024,sd-turbo-512"):
                 if get_workload(w).kind != "diffusion":
                     raise ValueError(f"{w} is not a diffusion workload")
-        elif p not in ("fp8", "tests", "rgtests", "aottest"):
+        elif p not in ("fp8", "tests", "rgtests", "aottest", "imports"):
             raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, envab, sdpa, "
-                             "tests, rgtests, aottest)")
+                             "tests, rgtests, aottest, imports)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -124,6 +126,16 @@ for part in "$@"; do
                -k "not test_gpu_aot_parts" --durations=5 2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
     aottest) timeout ${AOTTEST_TIMEOUT:-330} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
                -k test_gpu_aot_parts --durations=5 2>&1 | tee "$OUT/rg-aot-test.log" | tail -40 ;;
+    imports) lscpu | grep -E "^(Model name|CPU\(s\))"; python3 -c "import sys; print('dont_write_bytecode', sys.flags.dont_write_bytecode)"
+             # A/B: the wheels as installed now (bytecode compiled at install) against the same wheels without
+             # bytecode (pip --no-compile, as this harness installed them until 2026-12-05)
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-raw .whl/*.whl
+             for run in compiled:/tmp/site raw:/tmp/site-raw compiled:/tmp/site; do
+               PYTHONPATH=${run#*:} python3 -X importtime -c "import time; t = time.perf_counter(); import torch; t1 = time.perf_counter()
+from pipelines.diffusion import _pipeline_class; _pipeline_class('sd'); t2 = time.perf_counter()
+print(f'import (${run%%:*} wheels): torch {t1 - t:.2f} s, the diffusion stack {t2 - t1:.2f} s')" 2> "$OUT/importtime-${run%%:*}.txt"
+             done
+             grep '^import time:' "$OUT/importtime-compiled.txt" | sort -t'|' -k2 -n -r | head -30 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -3,9 +3,11 @@ set -uo pipefail
 OUT=${OUT:-outputs/h200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# Training needs no wheels: install them only when a call carried some.
+# Training needs no wheels: install them only when a call carried some. Compiled to bytecode at install, as a
+# user's pip install does: the machine sets PYTHONDONTWRITEBYTECODE like this one, so with --no-compile every
+# process compiled diffusers' sources again, seconds of every start that a real install never pays.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || exit 1
 fi
 [ -d .device_shared/testdata ] && mkdir -p ../shared && ln -sfn "$PWD/.device_shared/testdata" ../shared/testdata
