@@ -150,10 +150,10 @@ class AotParts:
         self._parts: dict[str, Callable] = {}
 
     def _get(self, kind: str, wrapper: torch.nn.Module, args: tuple) -> Callable | None:
-        key = _key(kind, wrapper, args, self.ident, self.flags_json)
+        key = f"{kind}-{_key(kind, wrapper, args, self.ident, self.flags_json)}"
         if key in self._parts:
             return self._parts[key]
-        path = self.dir / f"{kind}-{key}.pt2"
+        path = self.dir / f"{key}.pt2"
         if not self.build and not path.is_file():      # auto: the torch.compile'd / eager part, as without AOT
             self.report.setdefault("aot_note", AUTO_NOTE)
             self._parts[key] = None
@@ -191,6 +191,11 @@ class AotParts:
         part = _Loaded(compiled)
         self._parts[key] = part
         return part
+
+    def serves_all(self, kinds: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")) -> bool:
+        """True when a package serves every one of `kinds` (no dynamo, no eager fallback in the request)."""
+        served = {key.split("-", 1)[0] for key, part in self._parts.items() if part is not None}
+        return set(kinds) <= served
 
     # -- what the recorded request calls ------------------------------------------------------------------
     def text_encoder(self, te, ids: torch.Tensor) -> Callable | None:

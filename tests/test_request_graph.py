@@ -217,6 +217,12 @@ def test_aot_parts_compile_once_and_a_second_start_loads_them(tiny_sd_sdxl, tmp_
         assert rep.get("last_fallback") is None, rep
         np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=1e-4)
         reports.append(rep)
+        aot = getattr(sd, "_aot", None)
+        if env in ("", "1"):   # the recording's warm-up: one pass once packages serve every part, else two
+            served = env == "1" or len(reports) == 3
+            assert aot is not None and aot.serves_all() is served, (env, aot and aot._parts)
+            assert rgraph.warmup_passes(aot, xl=False) == (1 if served else 2)
+            assert rgraph.warmup_passes(aot, xl=True) == 2       # SDXL's UNet has no package
     auto_empty, built, auto_loaded, off = reports
     assert "aot" not in auto_empty and auto_empty["aot_note"] == aot_parts.AUTO_NOTE, auto_empty
     built, auto_loaded = built["aot"], auto_loaded["aot"]
@@ -260,6 +266,10 @@ def test_gpu_aot_parts_recorded_and_loaded_on_a_second_start(tiny_sd_sdxl, tmp_p
         assert rep.get("last_fallback") is None and not rep.get("failures"), rep
         assert float(np.abs(got.raw - want.raw).max()) < 2e-2
         entries.append(rep["aot"])
+        passes = [k for (label, times) in rep["record_s"].items() for k in times if k.startswith("warmup_")]
+        # one warm-up pass before the capture once the packages serve every part (the first start built them
+        # during its first pass, so the check comes after it and finds them too)
+        assert passes == ["warmup_1"], rep["record_s"]
     assert all("compiled_s" in e and "failed" not in e for e in entries[0].values()), entries[0]
     assert all(e.get("loaded_from_cache") for e in entries[1].values()), entries[1]
     # CUDA packages through AOTInductor's loader class, without the public loader's ISA probe (41-49 s on the H200)
