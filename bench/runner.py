@@ -548,6 +548,7 @@ def _diffusion_case(ctx: CaseContext, wl: Workload, cfg: BenchConfig, batch: int
         sync(device)
         row["prepare_parts_s"] = {"import": round(t_import - t0, 3), "load": round(t_load - t_import, 3),
                                   "optimize": round(time.perf_counter() - t_load, 3)}
+        row["prepare_toggles_s"] = dict(product.prepare_timings)     # "optimize", per toggle step
         row["optimizations"] = product.optimizations
         check_applied(cfg.flags, product.optimizations)
         runner = _ProductDiffusion(product, wl, cfg.flags, batch, steps, device)

@@ -56,6 +56,8 @@ def first_image(paths: list[str]) -> None:
                   f"{num(first)} s; steady call {num(r.get('call_ms'))} ms")
             if r.get("prepare_parts_s"):
                 print(f"    prepare: {json.dumps(r['prepare_parts_s'])}")
+            if r.get("prepare_toggles_s"):
+                print(f"    toggles: {json.dumps(r['prepare_toggles_s'])}")
             rg = (r.get("optimizations") or {}).get("request_graph") or {}
             for k in ("aot", "record_s", "last_fallback", "failures"):
                 if rg.get(k):

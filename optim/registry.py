@@ -17,6 +17,8 @@ Order, and why:
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,9 +75,30 @@ def requested_toggles(flags: OptimizationFlags) -> list[str]:
     return names
 
 
+class _StepClock:
+    """Adds each step's seconds to `timings` (None: does nothing); waits for the device so that asynchronous
+    copies and casts count towards the step that issued them."""
+
+    def __init__(self, device: torch.device, timings: dict | None):
+        self.device, self.timings = device, timings
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.timings is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.timings[name] = round(self.timings.get(name, 0.0) + time.perf_counter() - t0, 3)
+
+
 def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, kind: str, *,
             cache_dir: str | Path | None = None, weights_hash: str | None = None,
-            on_status: Callable[[str], None] | None = None) -> tuple[Any, Report]:
+            on_status: Callable[[str], None] | None = None, timings: dict | None = None) -> tuple[Any, Report]:
     """Apply the module-level toggles once, when a model is loaded for a set of flags.
 
     module: kind="stylegan": the Generator (already on `device`, eval, no grad).
@@ -84,6 +107,8 @@ def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, k
     cache_dir: root of the compile / TensorRT caches (default: Settings' cache_dir).
     weights_hash: the model file's sha256, for the TensorRT engine cache key.
     on_status: receives "compiling (first run for this size)" and similar messages.
+    timings: when given, gets the seconds each toggle's step took (device work included), e.g.
+            {"place": 0.31, "precision": 0.82, ...}: where a start's preparation goes.
     Returns (what to use from now on, report). With --strict a requested toggle that cannot
     run raises OptionalDependencyError instead of being skipped.
     """
@@ -92,47 +117,60 @@ def prepare(module: Any, flags: OptimizationFlags, device: torch.device | str, k
     ctx = Context(device=device, cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
                   weights_hash=weights_hash, on_status=on_status)
     report: Report = {}
+    clock = _StepClock(device, timings)
 
     # 1. placement (pipelines only; a bare module is where its owner put it). With CPU offload
     #    accelerate places the models itself, after the weight casts below.
     offload = target.is_pipeline and "cpu-offload" in flags.memory
     if target.is_pipeline and not (offload and _memory.offload_reason(target, ctx) is None):
-        target.pipe.to(device)
+        with clock("place"):
+            target.pipe.to(device)
     # 2-3. pruning, precision
     if flags.prune_amount > 0:
-        report["prune"] = _prune.apply(target, flags, ctx)
-    report["precision"] = _precision.apply(target, flags, ctx)
+        with clock("prune"):
+            report["prune"] = _prune.apply(target, flags, ctx)
+    with clock("precision"):
+        report["precision"] = _precision.apply(target, flags, ctx)
     offload_report = _memory.apply_offload(target, ctx) if offload else None
     # 4. layout, kernels, memory savers
     if flags.channels_last:
-        report["channels_last"] = _channels_last.apply(target, flags, ctx)
+        with clock("channels_last"):
+            report["channels_last"] = _channels_last.apply(target, flags, ctx)
     if flags.attention != "sdpa":
-        report["attention"] = _attention.apply(target, flags, ctx)
+        with clock("attention"):
+            report["attention"] = _attention.apply(target, flags, ctx)
     if flags.memory:
-        report["memory"] = _memory.apply(target, flags, ctx, offload=offload_report)
+        with clock("memory"):
+            report["memory"] = _memory.apply(target, flags, ctx, offload=offload_report)
     if flags.fuse_qkv:
-        report["fuse_qkv"] = _fused_qkv.apply(target, flags, ctx)
+        with clock("fuse_qkv"):
+            report["fuse_qkv"] = _fused_qkv.apply(target, flags, ctx)
     if flags.tiny_vae:          # 4c. after precision and channels_last, whose dtype and layout it copies
-        report["tiny_vae"] = _tiny_vae.apply(target, flags, ctx)
+        with clock("tiny_vae"):
+            report["tiny_vae"] = _tiny_vae.apply(target, flags, ctx)
     # 4d. the SDPA backend per kind of call (ATELIER_SDPA_ROUTE, an A/B switch), over whatever processors are set
     routes = _attention.sdpa_routes() if target.kind == "diffusion" and flags.attention == "sdpa" else {}
     if routes:
         report["attention"] = _attention.apply_routes(target, routes)
     # 5-7. FP8, TensorRT, compile
     if flags.fp8:
-        report["fp8"] = _fp8.apply(target, flags, ctx)
+        with clock("fp8"):
+            report["fp8"] = _fp8.apply(target, flags, ctx)
     exclude: dict[str, str] = {}
     if flags.tensorrt:
-        report["tensorrt"] = _tensorrt.apply(target, flags, ctx,
-                                             fp8_applied=bool(report.get("fp8", {}).get("applied")))
+        with clock("tensorrt"):
+            report["tensorrt"] = _tensorrt.apply(target, flags, ctx,
+                                                 fp8_applied=bool(report.get("fp8", {}).get("applied")))
         if report["tensorrt"]["applied"]:
             comp = "generator" if target.kind == "stylegan" else "unet"
             exclude[comp] = "the TensorRT engine runs this part; torch.compile is not stacked on it"
     if flags.request_graph:     # before compile: it decides whether the modules get their own CUDA graphs
-        report["request_graph"] = _request_graph.apply(target, flags, ctx)
+        with clock("request_graph"):
+            report["request_graph"] = _request_graph.apply(target, flags, ctx)
     if flags.compile != "off":
-        report["compile"] = _compile.apply(target, flags, ctx, exclude=exclude,
-                                           request_graph=bool(report.get("request_graph", {}).get("applied")))
+        with clock("compile"):
+            report["compile"] = _compile.apply(target, flags, ctx, exclude=exclude,
+                                               request_graph=bool(report.get("request_graph", {}).get("applied")))
     report = ordered(report)
     _enforce_strict(flags, report)
     return target.root, report

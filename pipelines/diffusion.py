@@ -748,10 +748,15 @@ class DiffusionPipeline:
         """Place the pipeline and hand it to optim/, which owns every toggle (precision, channels_last,
         attention, compile, memory savers incl. CPU offload) and reports what ran and why not."""
         offload = "cpu-offload" in flags.memory and self.device.type == "cuda"
+        self.prepare_timings: dict = {}     # seconds per toggle step (the bench's prepare_parts_s.toggles)
+        t0 = time.perf_counter()
         if not offload:                 # with offload, accelerate places each model only while it runs
             self.pipe.to(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.prepare_timings["place"] = round(time.perf_counter() - t0, 3)
         root, report = optim.prepare(self.pipe, flags, self.device, kind="diffusion", cache_dir=self.cache_dir,
-                                     weights_hash=self.loaded.hash)
+                                     weights_hash=self.loaded.hash, timings=self.prepare_timings)
         if root is not self.pipe and hasattr(root, "unet"):
             self.pipe = root
         report = dict(report)

@@ -295,6 +295,9 @@ def test_save_random_writes_a_folder_the_bench_loads_as_real_weights(tmp_path, c
     parts = res["file"]["prepare_parts_s"]
     assert sorted(parts) == ["import", "load", "optimize"] and all(v >= 0 for v in parts.values())
     assert sum(parts.values()) <= res["file"]["prepare_s"] + 0.05
+    toggles = res["file"]["prepare_toggles_s"]       # the "optimize" part, by toggle step
+    assert {"place", "precision"} <= set(toggles) and all(v >= 0 for v in toggles.values()), toggles
+    assert sum(toggles.values()) <= parts["optimize"] + 0.05, (toggles, parts)
     from bench.report import merge, read_jsonl, render_markdown
 
     text = render_markdown(merge([r for k in ("random", "file") for r in read_jsonl(tmp_path / k / "bench.jsonl")]))
