@@ -51,6 +51,11 @@ def start() -> bool:
     with _lock:
         if _thread is not None:
             return False
+        # torch first, in the caller's thread: a package whose import is under way in two threads at once can
+        # come out half-initialised (a CI run saw importlib fail with "name 'sys' is not defined" when a test's
+        # main thread imported torch while this thread did). The studio has torch loaded long before it serves.
+        import torch  # noqa: F401
+
         _state["started"] = True
         _thread = threading.Thread(target=_import_stack, name="atelier-preload", daemon=True)
         _thread.start()

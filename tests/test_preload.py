@@ -23,10 +23,10 @@ def test_background_import_loads_the_pipeline_classes_and_the_loader_waits_for_i
     got = _run(
         "import json, sys\n"
         "from pipelines import preload\n"
+        "from pipelines.diffusion import _pipeline_class\n"   # the module itself imports diffusers on first use
         "before = 'diffusers' in sys.modules\n"
         "started = preload.start()\n"
         "again = preload.start()\n"
-        "from pipelines.diffusion import _pipeline_class\n"
         "cls = _pipeline_class('sdxl')\n"          # waits for the background import, then uses it
         "st = preload.status()\n"
         "print(json.dumps({'before': before, 'started': started, 'again': again, 'cls': cls.__name__, **st,\n"
