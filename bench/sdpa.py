@@ -144,13 +144,26 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-12))
 
 
+# A row names its dtype as torch prints it. (Until 2026-12-05 the names were rewritten with str.replace, which
+# turned "bfloat16" into "bfp16", matched nothing and fell back to float32: every bf16 shape, SDXL's all, was
+# timed in fp32, where flash and cuDNN attention have no kernel.)
+ROW_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def row_dtype(row: dict) -> torch.dtype:
+    try:
+        return ROW_DTYPES[row["dtype"]]
+    except KeyError:
+        raise ValueError(f"attention shape with dtype {row['dtype']!r}: bench.sdpa times "
+                         f"{', '.join(ROW_DTYPES)}") from None
+
+
 def time_shape(row: dict, device: torch.device, iters: int, seed: int = 0) -> dict:
     """Each backend (and the default choice) on one shape: ms, relative error vs fp32 math, or why not."""
     from torch.nn.attention import sdpa_kernel
 
     g = torch.Generator(device="cpu").manual_seed(seed)
-    dtype = DTYPES.get(row["dtype"].replace("float16", "fp16").replace("bfloat16", "bf16").replace("float32", "fp32"),
-                       torch.float32)
+    dtype = row_dtype(row)
     shape_q = (row["batch"], row["heads"], row["q_len"], row["head_dim"])
     shape_k = (row["batch"], row["heads"], row["k_len"], row["head_dim"])
     shape_v = (row["batch"], row["heads"], row["k_len"], row["v_dim"])

@@ -404,15 +404,56 @@ def compile_module(module: torch.nn.Module, kind: str, mode: str, device: torch.
     cudagraphs = mode == "reduce-overhead" and device.type == "cuda"
     if inductor_options and backend == "inductor":
         opts = dict(inductor_options, **({"triton.cudagraphs": True} if cudagraphs else {}))
-        compiled = torch.compile(module, options=opts, dynamic=False, backend=backend, fullgraph=False)
         report["inductor_options"] = dict(inductor_options)
+
+        def make() -> torch.nn.Module:
+            return torch.compile(module, options=opts, dynamic=False, backend=backend, fullgraph=False)
     else:
-        compiled = torch.compile(module, mode=mode if cudagraphs else "default", dynamic=False,
+        def make() -> torch.nn.Module:
+            return torch.compile(module, mode=mode if cudagraphs else "default", dynamic=False,
                                  backend=backend, fullgraph=False)
     tracker = BucketTracker(report, on_status)
-    compiled.forward = _BucketedCall(compiled.forward, module, tracker, kind, cudagraphs, cache, cache_key)
+    wrapper = _deferred_wrapper(module)
+    wrapper.forward = _BucketedCall(_DeferredCompile(make, cache, report), module, tracker, kind, cudagraphs, cache,
+                                    cache_key)
     object.__setattr__(module, _TRACKER_ATTR, tracker)   # found through the wrapper's __getattr__ too
-    return compiled
+    return wrapper
+
+
+def _deferred_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    """The OptimizedModule that stands where `module` stood (attributes, parameters and `_orig_mod` as
+    torch.compile's own wrapper has them, so diffusers and transformers see a compiled module), made without
+    torch.compile: its forward is replaced by the caller, and the compile happens at the first call."""
+    from torch._dynamo.eval_frame import DisableContext, OptimizedModule
+
+    return OptimizedModule(module, DisableContext())
+
+
+class _DeferredCompile:
+    """`torch.compile(module)`'s forward, made at the first call.
+
+    torch.compile imports inductor's compiler (`torch._inductor.compile_fx`, lowering, templates) when it is
+    called, before anything is traced: 2.56 s of a second start's 13.7 s on the H200 (2026-12-05, the
+    `compile` toggle's row in prepare_toggles_s) when AOT packages served every part and the compiled modules
+    were never called. Deferred, a start pays for the compiler only when a compiled part runs; the compile
+    cache's portable artifacts are loaded then too (`cache_artifacts_loaded` in the report)."""
+
+    def __init__(self, make: Callable[[], torch.nn.Module], cache: CompileCache | None, report: dict):
+        self.make, self.cache, self.report = make, cache, report
+        self.forward: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.forward is None:
+            if self.cache is not None:
+                self.report["cache_artifacts_loaded"] = self.report.get("cache_artifacts_loaded", 0) + \
+                    self.cache.activate()
+            self.compiled = self.make()          # kept: its forward is dynamo's frame wrapper around the module
+            self.forward = self.compiled.forward
+        return self.forward(*args, **kwargs)
+
+    @property
+    def made(self) -> bool:
+        return self.forward is not None
 
 
 def _stylegan_options(synthesis: torch.nn.Module) -> dict | None:
@@ -493,10 +534,11 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context, backend: str =
     if exclude and name in exclude:
         return skipped(exclude[name], mode=mode)
     cache = CompileCache(ctx.cache_dir)
-    loaded = cache.activate() if backend == "inductor" else 0
+    if backend == "inductor":
+        configure_process(cache.dir.parent)   # inductor's folders and dynamo's limits (cheap); artifacts load at the first call
     effective = mode if (mode != "reduce-overhead" or ctx.device.type == "cuda") else "default"
     details: dict = {"mode": effective, "backend": backend, "dynamic": False, "cache_dir": str(cache.dir),
-                     "cache_artifacts_loaded": loaded, "buckets": {}}
+                     "cache_artifacts_loaded": 0, "buckets": {}}
     if backend == "inductor":         # process-wide (configure_process): may be another root's folder
         details["kernel_cache_dir"] = str(process_compile_dir())
     if effective != mode:

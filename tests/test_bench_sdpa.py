@@ -65,3 +65,21 @@ def test_recording_names_the_part_and_leaves_hooks_and_sdpa_as_they_were():
     assert calls[("unet", 1, 2, 5, 5, 4, 4, "float32", False)] == 2
     assert calls[("other", 1, 2, 5, 5, 4, 4, "float32", True)] == 1
     assert calls.entered["unet"] == 2 and not m._forward_pre_hooks and not m._forward_hooks
+
+
+def test_each_shape_is_timed_in_its_own_dtype():
+    """bf16 rows run in bf16 (their error against fp32 math is bf16's rounding, not fp32's); an unknown dtype is
+    an error, not a silent fp32 run (SDXL's whole table was once timed in fp32 that way)."""
+    row = {"batch": 1, "heads": 2, "q_len": 64, "k_len": 16, "head_dim": 32, "v_dim": 32}
+    assert sdpa.row_dtype({**row, "dtype": "bfloat16"}) is torch.bfloat16
+    assert sdpa.row_dtype({**row, "dtype": "float16"}) is torch.float16
+    bf16 = sdpa.time_shape({**row, "dtype": "bfloat16"}, CPU, iters=1)
+    fp32 = sdpa.time_shape({**row, "dtype": "float32"}, CPU, iters=1)
+    assert 1e-4 < bf16["default"]["rel_err"] < 3e-2, bf16["default"]     # bf16's 8-bit mantissa
+    assert fp32["default"]["rel_err"] < 1e-5, fp32["default"]
+    try:
+        sdpa.row_dtype({**row, "dtype": "float64"})
+    except ValueError as exc:
+        assert "float64" in str(exc) and "bfloat16" in str(exc)
+    else:
+        raise AssertionError("an unknown dtype was accepted")

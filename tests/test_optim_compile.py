@@ -254,6 +254,46 @@ def _run_cache_script(cache_dir: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+_DEFERRED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {root!r})
+    import torch
+    from optim import compile as oc
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.SiLU()).eval()
+    report = {{}}
+    cache = oc.CompileCache(sys.argv[1])
+    compiled = oc.compile_module(net, "module", "default", torch.device("cpu"), report, cache, "deferred")
+    before = "torch._inductor.compile_fx" in sys.modules
+    kind = type(compiled).__name__
+    same = compiled._orig_mod is net
+    x = torch.randn(1, 3, 8, 8)
+    out = compiled(x)
+    with torch.no_grad():
+        err = float((out - net(x)).abs().max())
+    print(json.dumps({{"before": before, "after": "torch._inductor.compile_fx" in sys.modules, "kind": kind,
+                      "same": same, "err": err, "buckets": list(report.get("buckets", {{}})),
+                      "loaded": report.get("cache_artifacts_loaded")}}))
+""")
+
+
+@pytest.mark.slow
+def test_compile_toggle_defers_the_compiler_to_the_first_call(tmp_path):
+    """Wrapping costs nothing (a start whose parts come from AOT packages never calls them): inductor's compiler
+    is imported, and the cache's artifacts loaded, at the first call; the wrapper is an OptimizedModule around
+    the module itself (what diffusers unwraps)."""
+    code = _DEFERRED_SCRIPT.format(root=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["before"] is False, "torch.compile's compiler was imported before the first call"
+    assert out["after"] is True and out["buckets"] == ["1x3x8x8"]     # the first call compiled
+    assert out["kind"] == "OptimizedModule" and out["same"] is True
+    assert out["err"] < 1e-5 and out["loaded"] == 0
+
+
 @pytest.mark.slow
 def test_inductor_matches_eager_and_second_start_hits_the_cache(tmp_path):
     first = _run_cache_script(tmp_path / "a")
