@@ -69,18 +69,50 @@ class Merged:
     results: dict[tuple[str, int, str], dict] = field(default_factory=dict)   # (workload, batch, config) -> row
     order: dict[str, list[str]] = field(default_factory=dict)                 # workload -> configs, first-seen order
     starts: dict[str, list[dict]] = field(default_factory=dict)  # workload -> rows of starts from disk
+    reference_gpu: str | None = None          # the GPU the tables and targets are about
+    elsewhere: dict[str, list[dict]] = field(default_factory=dict)  # workload -> results from other GPUs
 
 
-def merge(rows: Iterable[dict]) -> Merged:
+def run_device(run: dict) -> str | None:
+    return run.get("gpu") or run.get("cpu") or run.get("device")
+
+
+def pick_reference_gpu(runs: Iterable[dict]) -> str | None:
+    """The GPU most runs were made on (the first such when tied); None when no run names a GPU."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        if r.get("gpu"):
+            counts[r["gpu"]] = counts.get(r["gpu"], 0) + 1
+    return max(counts, key=lambda g: counts[g]) if counts else None
+
+
+def merge(rows: Iterable[dict], reference_gpu: str | None = None) -> Merged:
+    """`reference_gpu`: the GPU whose results fill the tables and the targets (default: the GPU most runs were
+    made on). Results from runs on another GPU are kept apart (`elsewhere`, their own table): a latency from an
+    H100 must neither replace an H200 row nor be divided by the H200's baseline."""
+    rows = list(rows)
     m = Merged()
+    for r in rows:
+        if r.get("type") == "run":
+            m.runs[r["run_id"]] = r
+    m.reference_gpu = reference_gpu or pick_reference_gpu(m.runs.values())
+
+    def foreign(r: dict) -> bool:
+        gpu = (m.runs.get(r.get("run_id")) or {}).get("gpu")
+        return bool(m.reference_gpu and gpu and gpu != m.reference_gpu)
+
     started: dict[tuple, dict] = {}
     finished: set[tuple] = set()
     for r in rows:
         t = r.get("type")
-        if t == "run":
-            m.runs[r["run_id"]] = r
-        elif t == "workload":
-            m.workloads[r["workload"]] = r
+        if t == "workload":
+            if not foreign(r) or r["workload"] not in m.workloads:
+                m.workloads[r["workload"]] = r
+        elif t in ("start", "result") and foreign(r):
+            if t == "result":
+                m.elsewhere.setdefault(r["workload"], []).append(r)
+                if r.get("status") == "ok" and is_start_from_disk(r, m.runs.get(r.get("run_id"), {})):
+                    m.starts.setdefault(r["workload"], []).append(r)
         elif t in ("start", "result"):
             key = (r["workload"], int(r["batch"]), r["config"])
             m.order.setdefault(r["workload"], [])
@@ -125,16 +157,27 @@ def start_kind(row: dict) -> str:
     return "start"
 
 
-def _starts_table(rows: list[dict]) -> list[str]:
+def _starts_table(rows: list[dict], runs: dict[str, dict] | None = None) -> list[str]:
     out = []
     for r in rows:
         parts = r.get("prepare_parts_s") or {}
         split = ", ".join(f"{k} {_f(v)}" for k, v in parts.items()) if parts else "–"
         total = num(r.get("prepare_s")) + num(r.get("first_call_s"))
-        out.append([f"`{r['config']}`", start_kind(r), _f(total), _f(r.get("prepare_s")), split,
+        device = run_device((runs or {}).get(r.get("run_id")) or {}) or "?"
+        out.append([f"`{r['config']}`", start_kind(r), device, _f(total), _f(r.get("prepare_s")), split,
                     _f(r.get("first_call_s")), f"`{str(r.get('_source', '')).split(':')[0]}`"])
-    return _table(["config", "start", "first image (s)", "prepare (s)", "of which import / load / optimize (s)",
+    return _table(["config", "start", "device", "first image (s)", "prepare (s)", "of which import / load / optimize (s)",
                    "first call (s)", "run file"], out)
+
+
+def _elsewhere_table(rows: list[dict], runs: dict[str, dict]) -> list[str]:
+    out = []
+    for r in sorted(rows, key=lambda r: (str(r.get("run_id", "")), int(r.get("batch", 0)), str(r.get("config")))):
+        d = r.get("drift") or {}
+        shown = _ms(r.get("ms_per_image")) if r.get("status") == "ok" else _status_text(r)
+        out.append([f"`{r['config']}`", r.get("batch"), run_device(runs.get(r.get("run_id")) or {}) or "?", shown,
+                    _f(r.get("it_per_s")), _f(d.get("psnr_db")), f"`{str(r.get('_source', '')).split(':')[0]}`"])
+    return _table(["config", "batch", "device", "ms/image", "it/s", "PSNR dB", "run file"], out)
 
 
 # ==========================================================================================================
@@ -338,7 +381,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
     if plot_note:
         lines += [f"_{plot_note}_", ""]
 
-    workloads = list(dict.fromkeys([w for (w, _, _) in m.results]))
+    workloads = list(dict.fromkeys([w for (w, _, _) in m.results] + list(m.elsewhere)))
     for w in workloads:
         wl = m.workloads.get(w, {})
         lines += [f"### {w} — {wl.get('description', '')}".rstrip(" —"), ""]
@@ -403,7 +446,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
             lines += [f"- `{c}` (batch {b}): {_status_text(r)}" for c, b, r in other] + [""]
         targets = evaluate_targets(m, w)
         if targets:
-            lines += ["Targets (H200; the baseline and tiny-autoencoder rows excluded):", ""]
+            lines += [f"Targets ({m.reference_gpu or 'H200'}; the baseline and tiny-autoencoder rows excluded):", ""]
             trows = []
             for t in targets:
                 if t["status"] == "not measured":
@@ -419,7 +462,11 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
         if m.starts.get(w):
             lines += ["Time to a first image, weights read from disk (prepare = import the pipeline code, load, apply "
                       "the toggles; first call = compile or load compiled parts, record, run):", ""]
-            lines += _starts_table(sorted(m.starts[w], key=lambda r: str(r.get("run_id", "")))) + [""]
+            lines += _starts_table(sorted(m.starts[w], key=lambda r: str(r.get("run_id", ""))), m.runs) + [""]
+        if m.elsewhere.get(w):
+            lines += [f"On other GPUs than the {m.reference_gpu} (kept out of the tables and targets above; compare "
+                      "each only with rows of its own run):", ""]
+            lines += _elsewhere_table(m.elsewhere[w], m.runs) + [""]
         profiled = [(c, b, m.results[(w, b, c)]) for b in batches for c in configs
                     if (w, b, c) in m.results and m.results[(w, b, c)].get("profile")]
         if profiled:
@@ -517,6 +564,9 @@ def to_json(m: Merged) -> dict:
         results.append({k: v for k, v in r.items() if not k.startswith("_")})
     return {"generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "runs": list(m.runs.values()), "workloads": m.workloads, "results": results,
+            "reference_gpu": m.reference_gpu,
+            "other_gpus": [{k: v for k, v in r.items() if not k.startswith("_")}
+                           for rows in m.elsewhere.values() for r in rows],
             "targets": {w: evaluate_targets(m, w) for w in dict.fromkeys(w for (w, _, _) in m.results)}}
 
 

@@ -311,3 +311,37 @@ def test_report_shows_the_reserved_peak_of_cuda_graph_rows_and_the_fp8_floor():
     line = {c: next(x for x in text.splitlines() if x.startswith(f"| `{c}`")) for c in ("compile-cg", "bf16", "fp8")}
     assert "(res. 3" in line["compile-cg"] and "res." not in line["bf16"]      # only where the pools are sizeable
     assert "12" in line["fp8"] and "30.0%" not in line["fp8"]                  # the FP8 row's mixed floor
+
+
+def test_report_keeps_runs_on_another_gpu_out_of_the_reference_tables():
+    """A later run on an H100 must neither replace the H200's row nor be divided by the H200's baseline; it gets
+    its own table, and the starts table names each start's device."""
+    from bench.report import render_markdown, to_json
+
+    def run(rid, gpu):
+        return {"type": "run", "run_id": rid, "gpu": gpu, "command": "python app.py bench --weights /tmp/w"}
+
+    def res(rid, config, ms, **kw):
+        return {"type": "result", "run_id": rid, "workload": "w", "config": config, "batch": 1, "status": "ok",
+                "ms_per_image": ms, **kw}
+
+    rows = [run("a", "NVIDIA H200"), {"type": "workload", "run_id": "a", "workload": "w", "kind": "diffusion",
+                                       "targets": []},
+            res("a", "baseline", 1000.0), res("a", "best", 334.0),
+            run("b", "NVIDIA H200"), res("b", "best", 335.0),
+            run("c", "NVIDIA H100 80GB HBM3"), res("c", "best", 354.0, prepare_s=7.3, first_call_s=2.5)]
+    m = merge(rows)
+    assert m.reference_gpu == "NVIDIA H200"
+    assert m.results[("w", 1, "best")]["run_id"] == "b"                 # the latest H200 row, not the H100's
+    assert [r["run_id"] for r in m.elsewhere["w"]] == ["c"]
+    assert [r["run_id"] for r in m.starts["w"]] == ["c"]                # a start from disk, on its own device
+    text = render_markdown(m)
+    best = next(x for x in text.splitlines() if x.startswith("| `best` | 2 |"))
+    assert "335" in best and "2.99×" in best                            # 1000 / 335, both H200
+    other = text.split("On other GPUs than the NVIDIA H200")[1]
+    assert "| `best` | 1 | NVIDIA H100 80GB HBM3 | 354 |" in other
+    assert "| `best` | start | NVIDIA H100 80GB HBM3 | 9.8 |" in text
+    assert to_json(m)["other_gpus"][0]["ms_per_image"] == 354.0
+    # asked for the H100 instead, the tables are the H100's and the H200 rows are the ones kept apart
+    m100 = merge(rows, reference_gpu="NVIDIA H100 80GB HBM3")
+    assert m100.results[("w", 1, "best")]["run_id"] == "c" and len(m100.elsewhere["w"]) == 3
