@@ -197,6 +197,50 @@ def pick(row: dict, times: dict) -> dict:
     return {"best": name, "best_ms": ms, "default_ms": default["ms"], "saving_ms_per_image": round(saving, 4)}
 
 
+ROUTE_MIN_GAIN = 0.03     # a route must take 3 % off its part's attention time: less is within the timing noise
+
+
+def _route_part(row: dict) -> str | None:
+    """The ATELIER_SDPA_ROUTE part a recorded shape belongs to: UNet self-attention (keys are the queries' own
+    tokens: as long as the queries), UNet cross-attention (keys from the text: another length), the VAE's."""
+    if row["part"] == "unet":
+        return "self" if row["k_len"] == row["q_len"] else "cross"
+    if row["part"].startswith("vae"):
+        return "vae"
+    return None
+
+
+def suggest_route(facts: dict) -> dict:
+    """The ATELIER_SDPA_ROUTE value for a workload: per route part, the one backend (or PyTorch's default) with
+    the least total time per image over that part's shapes, counting only backends that ran every shape of the
+    part within pick()'s error budget. A route takes one backend for all shapes of a part, so its saving can be
+    below the fastest-per-shape figure; a part is routed only when that takes ROUTE_MIN_GAIN of its time.
+    {"value": "" ...} when the default is best (or as good) everywhere."""
+    parts: dict[str, list[dict]] = {}
+    for r in facts.get("shapes", []):
+        part = _route_part(r)
+        if part and r.get("times") and "ms" in (r["times"].get("default") or {}):
+            parts.setdefault(part, []).append(r)
+    chosen: dict[str, dict] = {}
+    for part, rows in parts.items():
+        totals: dict[str, float] = {}
+        for name in ("default",) + BACKENDS:
+            total = 0.0
+            for r in rows:
+                t, d = r["times"].get(name) or {}, r["times"]["default"]
+                if "ms" not in t or t["rel_err"] > 2 * d["rel_err"] + 1e-4:
+                    break
+                total += t["ms"] * r["calls_per_image"]
+            else:
+                totals[name] = total
+        best = min(totals, key=lambda n: (totals[n], n != "default"))
+        if best != "default" and totals["default"] - totals[best] >= ROUTE_MIN_GAIN * totals["default"]:
+            chosen[part] = {"backend": best, "saving_ms_per_image": round(totals["default"] - totals[best], 4)}
+    value = ",".join(f"{p}={c['backend']}" for p, c in sorted(chosen.items()))
+    return {"value": value, "parts": chosen,
+            "saving_ms_per_image": round(sum(c["saving_ms_per_image"] for c in chosen.values()), 4)}
+
+
 def run(workloads: list[str], device: torch.device, iters: int, out: Path | None) -> dict:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workloads": []}
@@ -211,6 +255,7 @@ def run(workloads: list[str], device: torch.device, iters: int, out: Path | None
             row.update(pick(row, row["times"]))
         facts["shapes"] = rows
         facts["saving_ms_per_image"] = round(sum(r.get("saving_ms_per_image") or 0.0 for r in rows), 4)
+        facts["route"] = suggest_route(facts)
         report["workloads"].append(facts)
         print_table(facts)
     if out is not None:
@@ -231,6 +276,12 @@ def print_table(facts: dict) -> None:
             cells.append(f"{t['ms']:>11.4f}" if t and "ms" in t else f"{'-':>11}")
         print(f"{r['part']:<14}{r['batch']:>3}{r['heads']:>4}{r['q_len']:>7}{r['k_len']:>7}{r['head_dim']:>5}"
               f"{r['calls_per_image']:>10}  " + "".join(cells) + f"   {r.get('best') or r.get('note', '')}")
+    route = facts.get("route") or {}
+    if route.get("value"):
+        print(f"route: ATELIER_SDPA_ROUTE={route['value']} saves {route['saving_ms_per_image']:.3f} ms per image "
+              "here (A/B it in the bench: scripts/h200_diffusion.sh envab)")
+    elif route:
+        print("route: none (PyTorch's default is the fastest backend for every route part)")
 
 
 def main(argv: list[str] | None = None) -> int:
