@@ -20,7 +20,8 @@
 #   sdpa    python3 -m bench.sdpa: every SDPA backend on each attention shape the workloads call (SDPA_WORKLOADS,
 #           default sd15-512,sdxl-1024,sd-turbo-512; $OUT/sdpa.json; ~2 min)
 #   envab   AB_WORKLOAD's (default sdxl-1024) best under one environment setting AB_ENV=VAR=VALUE (an A/B switch such
-#           as ATELIER_SDPA_ROUTE=cross=efficient), as config AB_NAME (default envab): compare with the call's `best`
+#           as ATELIER_SDPA_ROUTE=cross=efficient), as config AB_NAME (default envab): compare with the call's `best`;
+#           AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route an `sdpa` part earlier in the call suggests
 #   imports where a new process's import of the diffusion stack goes (the second start's largest part): two runs
 #           of python -X importtime with the wheels' bytecode and one without it, $OUT/importtime-*.txt
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
@@ -61,9 +62,14 @@ for p in sys.argv[1:]:
                 raise ValueError(f"TUNING must be one of {', '.join(TUNINGS[1:])}")
             configs(env.get("TUNING_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
         elif p == "envab":
-            var, eq, _ = env.get("AB_ENV", "").partition("=")
+            var, eq, value = env.get("AB_ENV", "").partition("=")
             if not eq or not var.startswith("ATELIER_"):
                 raise ValueError("needs AB_ENV=ATELIER_...=VALUE (e.g. AB_ENV=ATELIER_SDPA_ROUTE=cross=efficient)")
+            if value == "suggested":
+                args = sys.argv[1:]
+                if var != "ATELIER_SDPA_ROUTE" or "sdpa" not in args[:args.index("envab")]:
+                    raise ValueError("AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route of an `sdpa` part run "
+                                     "before envab in the same call")
             configs(env.get("AB_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
         elif p == "sdpa":
             for w in parse_list(env.get("SDPA_WORKLOADS") or "sd15-512,sdxl-1024,sd-turbo-512"):
@@ -107,9 +113,18 @@ for part in "$@"; do
             share_ref $w "$OUT/tuning"
             ATELIER_INDUCTOR_TUNING=$t timeout ${TUNING_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
               --configs "tuned-$t@$(flags_of_best $w)" --profile "tuned-$t" --out "$OUT/tuning" ;;
-    envab) w=${AB_WORKLOAD:-sdxl-1024}; n=${AB_NAME:-envab}
+    envab) w=${AB_WORKLOAD:-sdxl-1024}; n=${AB_NAME:-envab}; ab=$AB_ENV
+           if [ "$ab" = "ATELIER_SDPA_ROUTE=suggested" ]; then   # the route the sdpa part just measured here
+             route=$(python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(next((w.get('route') or {}).get('value', '') for w in d['workloads'] if w['workload'] == sys.argv[2]))" \
+               "$OUT/sdpa.json" "$w" 2>/dev/null)
+             if [ -z "$route" ]; then echo "envab: bench.sdpa suggests no route for $w; skipped"; continue; fi
+             ab="ATELIER_SDPA_ROUTE=$route"; echo "envab: $ab (suggested by bench.sdpa)"
+           fi
            share_ref $w "$OUT/envab"
-           env "$AB_ENV" timeout ${AB_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
+           env "$ab" timeout ${AB_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
              --configs "$n@$(flags_of_best $w)" --profile "$n" --out "$OUT/envab" ;;
     sdpa) timeout ${SDPA_TIMEOUT:-240} python3 -m bench.sdpa --workloads "${SDPA_WORKLOADS:-sd15-512,sdxl-1024,sd-turbo-512}" \
             --out "$OUT/sdpa.json" 2>&1 | grep -v "kept in float32" ;;

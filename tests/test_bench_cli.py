@@ -326,3 +326,8 @@ def test_the_h200_diffusion_script_refuses_a_bad_plan_before_any_gpu_work(tmp_pa
                 "save-sd15-512: needs WEIGHTS", "sd16: unknown part"):
         assert why in bad.stdout, (why, bad.stdout)
     assert not (tmp_path / "w").exists() and not list((tmp_path / "out").glob("*/bench.jsonl"))
+    # the suggested SDPA route comes from an sdpa part earlier in the same call, or the plan is refused
+    routed = plan("sdpa", "envab", AB_ENV="ATELIER_SDPA_ROUTE=suggested", SDPA_WORKLOADS="sdxl-1024")
+    assert routed.returncode == 0, routed.stdout + routed.stderr
+    unrouted = plan("envab", "sdpa", AB_ENV="ATELIER_SDPA_ROUTE=suggested")
+    assert unrouted.returncode == 2 and "takes the route of an `sdpa` part" in unrouted.stdout, unrouted.stdout
