@@ -74,6 +74,37 @@ def test_same_shape_reuses_the_buffers_with_new_inputs(pair):
     assert not np.allclose(got.raw, first.raw, atol=1e-3)
 
 
+@pytest.mark.parametrize("scheduler", ["euler", "dpm++2m-karras", "heun", "pndm"])
+def test_a_short_warmup_pass_leaves_the_full_request_intact(pair, scheduler):
+    """record()'s warm-up passes stop the denoising loop after warmup_unet_calls() UNet calls (the same shapes
+    every call; a full 50-step pass was most of a second start's first call). The pass still decodes, and the
+    request after it, which the graph records, runs every step from a reset scheduler: the normal image."""
+    normal, recorded = pair
+    kw = dict(scheduler=scheduler, steps=6, guidance=5.0)
+    _gen(recorded, **kw)
+    key = next(k for k in recorded._graphs.graphs if k.scheduler == scheduler and k.steps == 6)
+    rec = recorded._graphs.graphs[key]
+    calls = rgraph.warmup_unet_calls(len(rec._t_host))
+    assert calls == rgraph.WARMUP_UNET_CALLS < len(rec._t_host)
+    assert rgraph.warmup_unet_calls(1) == 1
+    seen, decoded = [], []
+    hooks = [recorded.pipe.unet.register_forward_hook(lambda *a: seen.append(1)),
+             recorded.pipe.vae.decoder.register_forward_hook(lambda *a: decoded.append(1))]
+    try:
+        with torch.no_grad():
+            rec._forward(calls)             # the warm-up pass, as record() runs it
+        assert len(seen) == calls and len(decoded) == 1, (len(seen), len(decoded))
+        seen.clear()
+        got = _gen(recorded, prompt="a blue house", seed=4, **kw)
+        assert len(seen) == len(rec._t_host)        # the recorded request: every step
+    finally:
+        for h in hooks:
+            h.remove()
+    want = _gen(normal, prompt="a blue house", seed=4, **kw)
+    assert got.optimizations["request_graph"].get("last_fallback") is None
+    np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("kw, why", [
     (dict(scheduler="euler-a"), "fresh noise"),
     (dict(scheduler="dpm++2m-sde-karras"), "fresh noise"),
