@@ -19,9 +19,10 @@
 #           call's `best` row (e.g. `SDXL_CONFIGS=best ... sdxl tuning`)
 #   sdpa    python3 -m bench.sdpa: every SDPA backend on each attention shape the workloads call (SDPA_WORKLOADS,
 #           default sd15-512,sdxl-1024,sd-turbo-512; $OUT/sdpa.json; ~2 min)
-#   envab   AB_WORKLOAD's (default sdxl-1024) best under one environment setting AB_ENV=VAR=VALUE (an A/B switch such
-#           as ATELIER_SDPA_ROUTE=cross=efficient), as config AB_NAME (default envab): compare with the call's `best`;
-#           AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route an `sdpa` part earlier in the call suggests
+#   envab   AB_WORKLOAD's (default sdxl-1024) best under environment settings AB_ENV="VAR=VALUE ..." (A/B switches
+#           such as ATELIER_SDPA_ROUTE=cross=efficient or ATELIER_INDUCTOR_TUNING=coordinate), as config AB_NAME
+#           (default envab): compare with the call's `best`; AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route an
+#           `sdpa` part earlier in the call suggests; AB_EXTRA=fuse_qkv=1 adds flags to best's (a stacked row)
 #   imports where a new process's import of the diffusion stack goes (the second start's largest part): two runs
 #           of python -X importtime with the wheels' bytecode and one without it, $OUT/importtime-*.txt
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
@@ -62,15 +63,26 @@ for p in sys.argv[1:]:
                 raise ValueError(f"TUNING must be one of {', '.join(TUNINGS[1:])}")
             configs(env.get("TUNING_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
         elif p == "envab":
-            var, eq, value = env.get("AB_ENV", "").partition("=")
-            if not eq or not var.startswith("ATELIER_"):
+            assigns = env.get("AB_ENV", "").split()
+            if not assigns:
                 raise ValueError("needs AB_ENV=ATELIER_...=VALUE (e.g. AB_ENV=ATELIER_SDPA_ROUTE=cross=efficient)")
-            if value == "suggested":
-                args = sys.argv[1:]
-                if var != "ATELIER_SDPA_ROUTE" or "sdpa" not in args[:args.index("envab")]:
-                    raise ValueError("AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route of an `sdpa` part run "
-                                     "before envab in the same call")
-            configs(env.get("AB_WORKLOAD", "sdxl-1024"), "NO_SUCH_VAR", "best")
+            for a in assigns:
+                var, eq, value = a.partition("=")
+                if not eq or not var.startswith("ATELIER_"):
+                    raise ValueError(f"AB_ENV holds ATELIER_...=VALUE settings separated by spaces; got {a!r}")
+                if var == "ATELIER_INDUCTOR_TUNING":
+                    from optim.compile import TUNINGS
+                    if value not in TUNINGS:
+                        raise ValueError(f"ATELIER_INDUCTOR_TUNING must be one of {', '.join(TUNINGS)}")
+                if value == "suggested":
+                    args = sys.argv[1:]
+                    if var != "ATELIER_SDPA_ROUTE" or "sdpa" not in args[:args.index("envab")]:
+                        raise ValueError("AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route of an `sdpa` part run "
+                                         "before envab in the same call")
+            w = get_workload(env.get("AB_WORKLOAD", "sdxl-1024"))
+            best = "+".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in w.best.items())
+            extra = env.get("AB_EXTRA", "")
+            resolve_configs(w, [f"{env.get('AB_NAME', 'envab')}@{best}{'+' + extra if extra else ''}"])
         elif p == "sdpa":
             for w in parse_list(env.get("SDPA_WORKLOADS") or "sd15-512,sdxl-1024,sd-turbo-512"):
                 if get_workload(w).kind != "diffusion":
@@ -113,19 +125,24 @@ for part in "$@"; do
             share_ref $w "$OUT/tuning"
             ATELIER_INDUCTOR_TUNING=$t timeout ${TUNING_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
               --configs "tuned-$t@$(flags_of_best $w)" --profile "tuned-$t" --out "$OUT/tuning" ;;
-    envab) w=${AB_WORKLOAD:-sdxl-1024}; n=${AB_NAME:-envab}; ab=$AB_ENV
-           if [ "$ab" = "ATELIER_SDPA_ROUTE=suggested" ]; then   # the route the sdpa part just measured here
-             route=$(python3 -c "
+    envab) w=${AB_WORKLOAD:-sdxl-1024}; n=${AB_NAME:-envab}; abs=()
+           for ab in $AB_ENV; do   # one or more VAR=VALUE settings, all applied to the one configuration
+             if [ "$ab" = "ATELIER_SDPA_ROUTE=suggested" ]; then   # the route the sdpa part just measured here
+               route=$(python3 -c "
 import json, sys
 d = json.load(open(sys.argv[1]))
 print(next((w.get('route') or {}).get('value', '') for w in d['workloads'] if w['workload'] == sys.argv[2]))" \
-               "$OUT/sdpa.json" "$w" 2>/dev/null)
-             if [ -z "$route" ]; then echo "envab: bench.sdpa suggests no route for $w; skipped"; continue; fi
-             ab="ATELIER_SDPA_ROUTE=$route"; echo "envab: $ab (suggested by bench.sdpa)"
-           fi
+                 "$OUT/sdpa.json" "$w" 2>/dev/null)
+               if [ -z "$route" ]; then echo "envab: bench.sdpa suggests no route for $w; left out"; continue; fi
+               ab="ATELIER_SDPA_ROUTE=$route"; echo "envab: $ab (suggested by bench.sdpa)"
+             fi
+             abs+=("$ab")
+           done
+           if [ ${#abs[@]} -eq 0 ]; then echo "envab: no setting left to A/B; skipped"; continue; fi
            share_ref $w "$OUT/envab"
-           env "$ab" timeout ${AB_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
-             --configs "$n@$(flags_of_best $w)" --profile "$n" --out "$OUT/envab" ;;
+           # AB_EXTRA: flags added to best's (e.g. fuse_qkv=1), to stack the setting on another lever
+           env "${abs[@]}" timeout ${AB_TIMEOUT:-540} $BENCH --workload $w --repeats ${SDXL_REPEATS:-2} \
+             --configs "$n@$(flags_of_best $w)${AB_EXTRA:++$AB_EXTRA}" --profile "$n" --out "$OUT/envab" ;;
     sdpa) timeout ${SDPA_TIMEOUT:-240} python3 -m bench.sdpa --workloads "${SDPA_WORKLOADS:-sd15-512,sdxl-1024,sd-turbo-512}" \
             --out "$OUT/sdpa.json" 2>&1 | grep -v "kept in float32" ;;
     fp8) share_ref sd15-512 "$OUT/fp8"
