@@ -10,8 +10,9 @@
    step, so a shape's calls per image are its count times the workload's steps.
 2. Each distinct unmasked shape, with random inputs in the workload's precision, under each backend
    (`torch.nn.attention.sdpa_kernel`: flash, efficient, cudnn, math) and under none (what PyTorch picks by
-   itself, "default"): median of CUDA-event-timed calls after warm-up, and the relative L2 error against an fp32
-   math reference. A backend that cannot take the shape is listed with PyTorch's reason.
+   itself, "default"): on a GPU the median device time per call of 20 calls replayed from one CUDA graph (what a
+   graph-captured UNet pays: no host dispatch in it), and the relative L2 error against an fp32 math reference.
+   A backend that cannot take the shape is listed with PyTorch's reason.
 3. Per shape the fastest backend within the error of the default, and what picking it would save per image.
 
 Masked calls (CLIP's causal text encoder) are recorded but not timed: 77 tokens, once per image.
@@ -118,26 +119,61 @@ def workload_shapes(name: str, device: torch.device, seed: int = 0) -> tuple[dic
     return facts, rows
 
 
-def _time(fn, device: torch.device, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of one call (CUDA events on a GPU, perf_counter on the CPU)."""
+CALLS_PER_SAMPLE = 20    # calls replayed back to back per timed sample on a GPU
+
+
+def _graph_of(fn, n: int, device: torch.device):
+    """`fn` called n times, recorded in one CUDA graph (after a warm-up on a side stream, as capture needs), or
+    None when the backend cannot be captured."""
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                fn()
+        return graph
+    except Exception:             # RuntimeError / torch.AcceleratorError: "operation not permitted when capturing"
+        torch.cuda.synchronize(device)
+        return None
+
+
+def _time(fn, device: torch.device, iters: int, warmup: int = 5) -> tuple[float, str]:
+    """Median milliseconds of one call, and how they were taken.
+
+    On a GPU a sample is CALLS_PER_SAMPLE calls replayed from one CUDA graph between two CUDA events, divided by
+    the count ("cuda-graph"): the device time of the kernels as the studio's compiled, graph-captured UNet pays
+    it. (Events around a single eager call also count the host's dispatch and launch, ~30 us, which for the
+    small cross-attention shapes is ten times the kernel: on 2026-12-06 that timing suggested routing SDXL's
+    cross-attention to the efficient kernel, and in the pipeline's own profile it cost 42.7 ms per image against
+    cuDNN's 6.2.) A backend that cannot be captured is timed as CALLS_PER_SAMPLE eager calls queued back to back
+    ("stream"). On the CPU: perf_counter around one call ("wall")."""
     for _ in range(warmup):
         fn()
     samples = []
     if device.type == "cuda":
+        n = CALLS_PER_SAMPLE
+        graph = _graph_of(fn, n, device)
+        run = graph.replay if graph is not None else (lambda: [fn() for _ in range(n)])
+        run()
         torch.cuda.synchronize(device)
         for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            run()
             b.record()
             b.synchronize()
-            samples.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+            samples.append(a.elapsed_time(b) / n)
+        return statistics.median(samples), "cuda-graph" if graph is not None else "stream"
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples), "wall"
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -176,8 +212,8 @@ def time_shape(row: dict, device: torch.device, iters: int, seed: int = 0) -> di
         try:
             with ctx, torch.no_grad():
                 got = F.scaled_dot_product_attention(q, k, v)
-                ms = _time(lambda: F.scaled_dot_product_attention(q, k, v), device, iters)
-            out[name] = {"ms": round(ms, 5), "rel_err": _rel_err(got, ref)}
+                ms, how = _time(lambda: F.scaled_dot_product_attention(q, k, v), device, iters)
+            out[name] = {"ms": round(ms, 5), "rel_err": _rel_err(got, ref), "timing": how}
         except RuntimeError as exc:           # "No available kernel": PyTorch's reasons are in the warnings
             out[name] = {"unavailable": str(exc).strip().splitlines()[0][:300]}
     return out

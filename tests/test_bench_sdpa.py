@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -109,3 +110,27 @@ def test_the_suggested_route_takes_one_backend_per_part_and_only_a_real_gain():
     want = (0.0446 * 1800 + 0.0472 * 300) - (0.0352 * 1800 + 0.0500 * 300)
     assert abs(route["saving_ms_per_image"] - want) < 1e-3
     assert sdpa.suggest_route({"shapes": facts["shapes"][2:]})["value"] == ""
+
+
+def test_cpu_rows_say_how_they_were_timed():
+    row = {"batch": 1, "heads": 2, "q_len": 32, "k_len": 8, "head_dim": 16, "v_dim": 16, "dtype": "float32"}
+    times = sdpa.time_shape(row, CPU, iters=1)
+    timed = [t for t in times.values() if "ms" in t]
+    assert timed and all(t["timing"] == "wall" for t in timed), times
+
+
+@pytest.mark.gpu
+def test_gpu_rows_are_device_time_of_graph_replayed_calls():
+    """On a GPU a backend's time is the device time of calls replayed from one CUDA graph (what a graph-captured
+    UNet pays), not events around one eager call (which count the host's launch: on 2026-12-06 that made the
+    efficient kernel look faster for SDXL's cross-attention, where in the pipeline it cost 7x cuDNN's time).
+    A function that cannot be captured (it syncs with the host) falls back to calls queued back to back."""
+    cuda = torch.device("cuda")
+    row = {"batch": 2, "heads": 20, "q_len": 1024, "k_len": 77, "head_dim": 64, "v_dim": 64, "dtype": "bfloat16"}
+    times = sdpa.time_shape(row, cuda, iters=5)
+    assert times["default"]["timing"] == "cuda-graph" and times["default"]["ms"] > 0, times
+    assert times["default"]["rel_err"] < 3e-2
+    x = torch.ones(256, device=cuda)
+    ms, how = sdpa._time(lambda: x.sum().item(), cuda, iters=3)    # .item() cannot be captured
+    assert how == "stream" and ms > 0
+    assert sdpa._graph_of(lambda: x.mul_(1.0), 4, cuda) is not None
