@@ -12,7 +12,7 @@
 #           loads that folder (--weights), so a second start reads its weights from disk as a real model's
 #   sdxl    bench sdxl-1024 at batch 1: baseline, best, best-fp8 (the fp32 reference runs once by itself)
 #   fp8     bench sd15-512 best-fp8 at FP8 size filters 1024 / 640 / 320 (ATELIER_FP8_MIN_FEATURES)
-#   tests   the gpu-marked diffusion tests (log under $OUT)
+#   tests   the gpu-marked diffusion tests but the AOT one (`aottest`; log under $OUT/gpu-tests.log)
 #   rgtests the request-graph GPU tests but the AOT one (log under $OUT/rg-tests.log; ~2 min)
 #   tuning  TUNING_WORKLOAD's (default sdxl-1024) best with inductor's kernel tuning, ATELIER_INDUCTOR_TUNING=TUNING
 #           (coordinate | max-autotune; default coordinate), as config tuned-TUNING: A/B it against the same
@@ -153,7 +153,9 @@ print(next((w.get('route') or {}).get('value', '') for w in d['workloads'] if w[
     tests) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -rs -m gpu --durations=8 -p no:cacheprovider \
              tests/test_diffusion_overlap.py tests/test_optim_precision.py tests/test_optim_fp8.py \
              tests/test_optim_compile.py tests/test_diffusion.py tests/test_bench_gpu.py tests/test_request_graph.py \
-             -k "not stylegan" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
+             tests/test_optim_fused_qkv.py tests/test_bench_sdpa.py tests/test_optim_memory.py tests/test_optim_prune.py \
+             tests/test_optim_attention.py tests/test_optim_tensorrt.py \
+             -k "not stylegan and not test_gpu_aot_parts" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
     rgtests) timeout ${RGTESTS_TIMEOUT:-200} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
                -k "not test_gpu_aot_parts" --durations=5 2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
     aottest) timeout ${AOTTEST_TIMEOUT:-330} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
