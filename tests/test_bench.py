@@ -74,6 +74,11 @@ def test_stylegan_run_writes_every_case_with_numbers_or_reasons(sg2_run):
     assert bf16["optimizations"]["precision"]["applied"] is True
     prof = bf16["profile"]
     assert prof["top"] and prof["device_busy_ms"] > 0 and sum(prof["by_class_ms"].values()) > 0
+    # each class lists its own heaviest kernels, heaviest first, within the class total
+    assert set(prof["top_by_class"]) == set(prof["by_class_ms"])
+    for cls, kernels in prof["top_by_class"].items():
+        ms = [k["ms"] for k in kernels]
+        assert kernels and ms == sorted(ms, reverse=True) and sum(ms) <= prof["by_class_ms"][cls] + 1e-6, cls
 
     fp16, trt = res[("fp16", 1)], res[("tensorrt", 1)]
     assert fp16["status"] == "skipped" and "CPU" in fp16["reason"] and "ms_per_image" not in fp16
