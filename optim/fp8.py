@@ -288,12 +288,26 @@ def _coverage_report(sel: Selection, flops: dict) -> dict:
 # The toggle
 
 
+CONV_ENV = "ATELIER_FP8_CONV"
+CONV_MODES = ("off", "triton")
+
+
+def conv_mode(env: dict[str, str] | None = None) -> str:
+    """'off' (default: convolutions stay in the model's dtype) or 'triton' (the UNet's large 1×1 and 3×3
+    convolutions through optim.fp8_conv's FP8 kernel, where measured faster), from ATELIER_FP8_CONV."""
+    raw = (os.environ if env is None else env).get(CONV_ENV, "").strip().lower() or "off"
+    if raw not in CONV_MODES:
+        raise InputError(f"{CONV_ENV} must be one of {', '.join(CONV_MODES)}; got {raw!r}")
+    return raw
+
+
 def _conv_note(device: torch.device) -> str:
     cap = capability(device)
     if cap is None or cap < CONV_MIN_CAPABILITY or not has_package("mslk"):
         here = f"this GPU is {cap[0]}.{cap[1]}" if cap else where(device)
         return ("convolutions stay bf16: torchao's FP8 convolution needs compute capability 10.0 (Blackwell) "
-                f"and the mslk package; {here}")
+                f"and the mslk package; {here}; {CONV_ENV}=triton runs the large ones in this studio's own FP8 "
+                "kernel (static scaling)")
     return "convolutions stay bf16: torchao's FP8 convolution is not enabled in this build"
 
 
@@ -315,13 +329,18 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
                        f">= {threshold}); all left as they were", size_filter=threshold, size_filter_from=source)
     flops = _unet_flops(unet, ctx.device)                   # before quantizing: the layers as they run
     mode = scaling()
+    convs: dict | None = None
     static_details: dict = {}
     if mode == "static":
         sel = planned
         if ctx.on_status is not None:
             ctx.on_status(f"calibrating FP8 scales ({len(planned.fp8)} layers, one short request)")
         tokens: dict[str, int] = {}
-        amax, how = calibrate(target, planned.fp8, ctx.device, tokens=tokens)
+        convs = conv_candidates(unet, ctx.device) if conv_mode() == "triton" else None
+        conv_names = list(convs["layers"]) if convs and "layers" in convs else []
+        in_shapes: dict[str, tuple[int, ...]] = {}
+        amax, how = calibrate(target, planned.fp8 + conv_names, ctx.device, tokens=tokens, shapes=in_shapes)
+        conv_amax = {n: amax.pop(n) for n in conv_names}
         kept_extra: dict[str, list[str]] = {}
         selection = {"mode": "size"}
         if select_mode() == "measure":
@@ -333,6 +352,8 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
             return skipped(f"measured on this GPU, none of the {len(planned.fp8)} candidate layers' shapes is faster "
                            "in FP8 than unquantized (including the quantization pass); all left as they were",
                            scaling=mode, selection=selection, size_filter=threshold, size_filter_from=source)
+        if convs is not None and conv_names:
+            convs = quantize_convs_static(unet, conv_amax, in_shapes, ctx.device, measure=select_mode() == "measure")
         done = quantize_linears_static(unet, amax)
         left = [n for n in planned.fp8 if n not in set(done) and n not in set(kept_extra.get(MEASURED, []))]
         if left:
@@ -363,13 +384,17 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
                                     "an all-zero row (SDXL's empty negative prompt) quantizes to zeros and larger inputs "
                                     "saturate, never NaN"),
                **static_details,
-               "coverage": cover, "layers": sel.fp8, "convolutions": _conv_note(ctx.device),
+               "coverage": cover, "layers": sel.fp8,
+               "convolutions": convs if mode == "static" and convs is not None else _conv_note(ctx.device),
                "other_components": "text encoders run once per image and the VAE has no large linears: unchanged"}
     if flags.compile == "off":
         details["warning"] = "without --compile FP8 is slower than bf16 (eager per-call quantization); add --compile default"
     covered = f"; they carry {share:.1%} of the UNet's linear FLOPs" if isinstance(share, float) else ""
     scales = "one calibrated scale per tensor" if mode == "static" else "per-row scales"
-    return applied(f"{len(sel.fp8)} UNet linear layers in FP8 (e4m3, {scales}){covered}; "
+    conv_part = ""
+    if mode == "static" and convs is not None and convs.get("fp8_layers"):
+        conv_part = f" and {len(convs['fp8_layers'])} convolutions"
+    return applied(f"{len(sel.fp8)} UNet linear layers{conv_part} in FP8 (e4m3, {scales}){covered}; "
                    f"{sel.kept_count} left as they were (see kept_bf16)", **details)
 
 
@@ -451,13 +476,17 @@ class StaticFP8Linear(torch.nn.Module):
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
-def _record_amax(module: torch.nn.Module, names: list[str], tokens: dict[str, int] | None = None):
+def _record_amax(module: torch.nn.Module, names: list[str], tokens: dict[str, int] | None = None,
+                 shapes: dict[str, tuple[int, ...]] | None = None):
     """Forward pre-hooks keeping each named layer's running max |input| as a device tensor (no host sync),
-    and in `tokens` the most rows per image it saw (the sequence length of a (batch, tokens, features) input)."""
+    in `tokens` the most rows per image it saw (the sequence length of a (batch, tokens, features) input),
+    and in `shapes` the largest input shape it saw."""
     amax: dict[str, torch.Tensor] = {}
 
     def hook(name):
         def seen(m, args):
+            if shapes is not None:
+                shapes[name] = max(shapes.get(name, ()), tuple(args[0].shape))
             if tokens is not None:
                 x = args[0]
                 t = int(x.shape[-2]) if x.dim() >= 3 else 1
@@ -472,7 +501,8 @@ def _record_amax(module: torch.nn.Module, names: list[str], tokens: dict[str, in
 
 
 def calibrate(target: Target, names: list[str], device: torch.device, steps: int = CALIBRATION_STEPS,
-              tokens: dict[str, int] | None = None) -> tuple[dict[str, float], dict]:
+              tokens: dict[str, int] | None = None,
+              shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[dict[str, float], dict]:
     """Max |input| of each named UNet Linear over a real request: the pipeline itself, eager, with two prompts
     and its empty negative prompt (classifier-free guidance), `steps` denoising steps, latents out (the VAE
     is not run). A bare UNet (no pipeline given) is probed instead at timesteps across the schedule with the
@@ -480,7 +510,7 @@ def calibrate(target: Target, names: list[str], device: torch.device, steps: int
     import time
 
     unet = target.get("unet")
-    amax, handles = _record_amax(unet, names, tokens)
+    amax, handles = _record_amax(unet, names, tokens, shapes)
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
@@ -657,3 +687,85 @@ def measured_selection(unet: torch.nn.Module, names: list[str], tokens: dict[str
                        "rule": (f"FP8 where its GEMM + an unfused quantization pass ({QUANT_BYTES_PER_ELEMENT} bytes an "
                                 f"input element at {HBM_BYTES_PER_S / 1e12:g} TB/s) beats the {str(dtype)[6:]} GEMM by "
                                 f"{SELECT_GAIN:.0%}; M = 2 × tokens (one image with CFG); CUDA-graph timings")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolutions in FP8 (ATELIER_FP8_CONV=triton): the studio's own kernel, optim/fp8_conv.py
+
+def conv_candidates(unet: torch.nn.Module, device: torch.device, min_channels: int | None = None) -> dict:
+    """The UNet's convolutions the FP8 kernel can take ({"layers": [...]}), or why none ({"why": ...})."""
+    from optim import fp8_conv
+
+    reason = fp8_conv.unavailable_reason(device)
+    if reason:
+        return {"why": reason}
+    width = fp8_conv.MIN_CHANNELS if min_channels is None else min_channels
+    names = [n for n, m in unet.named_modules()
+             if isinstance(m, torch.nn.Conv2d) and fp8_conv.eligible(m, width) is None]
+    if not names:
+        return {"why": f"no convolution is 1×1 or 3×3 with both sides >= {width} channels"}
+    return {"layers": names}
+
+
+def time_conv(shape: tuple[int, int, int, int], conv: torch.nn.Conv2d, device: torch.device) -> tuple[float, float]:
+    """(cuDNN convolution µs in the model's dtype, channels_last; the FP8 kernel's µs) at input `shape`."""
+    from optim import fp8_conv
+
+    dtype = conv.weight.dtype
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(shape, device=device, dtype=dtype, generator=g).to(memory_format=torch.channels_last)
+    w = conv.weight.detach().to(memory_format=torch.channels_last)
+    b = None if conv.bias is None else conv.bias.detach()
+    q = fp8_conv.StaticFP8Conv2d(conv, input_amax=4.0)
+    xq = q.quantize_input(x)
+    k, st, pad = q.kernel_size[0], q.stride[0], q.padding[0]
+    with torch.no_grad():
+        t16 = _graph_time_us(lambda: torch.nn.functional.conv2d(x, w, b, st, pad))
+        t8 = _graph_time_us(lambda: fp8_conv.conv2d_fp8(xq, q.weight_fp8, q.scale, q.bias, k, k, st, pad, dtype))
+    return t16, t8
+
+
+def quantize_convs_static(unet: torch.nn.Module, amax: dict[str, float], shapes: dict[str, tuple[int, ...]],
+                          device: torch.device, measure: bool = True, margin: float = STATIC_MARGIN) -> dict:
+    """Swap each named Conv2d for a StaticFP8Conv2d with its calibrated input max: all of them (measure=False,
+    or off CUDA), or, measured, only those whose shape runs faster in the FP8 kernel (plus an unfused
+    quantization pass) than in cuDNN by SELECT_GAIN. Timed at batch 2 (one image with CFG). The report."""
+    import time
+
+    from optim import fp8_conv
+
+    t0 = time.perf_counter()
+    seen = {n: a for n, a in amax.items() if a == a and n in shapes}
+    report: dict = {"kernel": "optim/fp8_conv.py (Triton implicit GEMM, e4m3, per-output-channel weight scales)",
+                    "candidates": len(amax), "not_called_while_calibrating": len(amax) - len(seen)}
+    chosen = list(seen)
+    if measure and device.type == "cuda":
+        groups: dict[tuple, list[str]] = {}
+        for n in seen:
+            m = unet.get_submodule(n)
+            _, c, h, w = shapes[n]
+            key = ((2, c, h, w), m.out_channels, m.kernel_size[0], m.stride[0], m.padding[0])
+            groups.setdefault(key, []).append(n)
+        rows, chosen = [], []
+        try:
+            for key, layers in sorted(groups.items()):
+                t16, t8 = time_conv(key[0], unet.get_submodule(layers[0]), device)
+                n_, c, h, w = key[0]
+                quant = quant_us(n_ * h * w, c)
+                win = t8 + quant <= t16 * (1 - SELECT_GAIN)
+                rows.append({"input": list(key[0]), "out_channels": key[1], "kernel": key[2], "stride": key[3],
+                             "layers": len(layers), "cudnn_us": round(t16, 2), "fp8_us": round(t8, 2),
+                             "quant_us": round(quant, 2), "fp8": win})
+                if win:
+                    chosen.extend(layers)
+        except Exception as exc:   # a timing that cannot run leaves the convolutions as they were
+            report.update(fp8_layers=[], why=f"the measurement failed ({type(exc).__name__}: "
+                                              f"{' '.join(str(exc).split())[:160]}); convolutions left as they were")
+            return report
+        report["selection"] = {"mode": "measure", "shapes": rows}
+    for n in chosen:
+        _swap(unet, n, fp8_conv.StaticFP8Conv2d(unet.get_submodule(n), seen[n], margin))
+    report["fp8_layers"] = chosen
+    report["kept"] = len(amax) - len(chosen)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report

@@ -70,6 +70,9 @@ for p in sys.argv[1:]:
                 var, eq, value = a.partition("=")
                 if not eq or not var.startswith("ATELIER_"):
                     raise ValueError(f"AB_ENV holds ATELIER_...=VALUE settings separated by spaces; got {a!r}")
+                if var == "ATELIER_FP8_CONV":
+                    from optim.fp8 import conv_mode
+                    conv_mode({var: value})
                 if var == "ATELIER_INDUCTOR_TUNING":
                     from optim.compile import TUNINGS
                     if value not in TUNINGS:

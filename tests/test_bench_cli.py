@@ -331,3 +331,12 @@ def test_the_h200_diffusion_script_refuses_a_bad_plan_before_any_gpu_work(tmp_pa
     assert routed.returncode == 0, routed.stdout + routed.stderr
     unrouted = plan("envab", "sdpa", AB_ENV="ATELIER_SDPA_ROUTE=suggested")
     assert unrouted.returncode == 2 and "takes the route of an `sdpa` part" in unrouted.stdout, unrouted.stdout
+    # several settings stacked on one row, with flags added to best's; each setting and flag is checked
+    stacked = plan("envab", AB_ENV="ATELIER_FP8_CONV=triton ATELIER_INDUCTOR_TUNING=coordinate",
+                   AB_EXTRA="fp8=1+fuse_qkv=1", AB_NAME="stacked")
+    assert stacked.returncode == 0, stacked.stdout + stacked.stderr
+    wrong = plan("envab", AB_ENV="ATELIER_FP8_CONV=cudnn ATELIER_INDUCTOR_TUNING=fast", AB_EXTRA="fp9=1")
+    assert wrong.returncode == 2, wrong.stdout
+    for why in ("ATELIER_FP8_CONV must be one of off, triton", ):
+        assert why in wrong.stdout, (why, wrong.stdout)
+    assert plan("envab", AB_ENV="ATELIER_FP8_CONV=triton", AB_EXTRA="fp9=1").stdout.count("unknown setting 'fp9=1'") == 1

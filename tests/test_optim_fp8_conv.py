@@ -1,0 +1,183 @@
+"""FP8 convolutions (optim/fp8_conv.py, ATELIER_FP8_CONV=triton): the Triton implicit-GEMM kernel against a
+convolution of the same quantized operands, the static layer against the unquantized one, the swap inside a real
+(tiny) diffusers UNet. On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, conftest.py);
+the GPU tests run it compiled, under torch.compile and CUDA graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import optim
+from core.errors import InputError
+from core.types import OptimizationFlags as Flags
+from optim import fp8, fp8_conv
+from optim.targets import resolve
+from tests.optim_helpers import CPU, rel_err
+
+CASES = [  # (batch, C, H, W, Cout, kernel, stride, padding, bias, channels_last)
+    (2, 32, 7, 5, 48, 3, 1, 1, True, False),
+    (1, 64, 9, 8, 16, 3, 2, 1, False, True),
+    (2, 16, 6, 6, 32, 1, 1, 0, True, True),
+    (1, 96, 5, 7, 64, 3, 1, 1, True, False),
+    (1, 32, 8, 8, 32, 3, 2, 1, True, True),
+]
+
+
+def _dequantized_reference(layer: fp8_conv.StaticFP8Conv2d, conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The convolution of exactly the e4m3 values the kernel multiplies, in fp32."""
+    xq = layer.quantize_input(x).float() / layer.input_scale_inv                       # NHWC, dequantized
+    wq, ws = fp8_conv.quantize_weight(conv.weight)
+    k = conv.kernel_size[0]
+    wd = (wq.float() * ws[:, None]).reshape(conv.out_channels, k, k, conv.in_channels).permute(0, 3, 1, 2)
+    return F.conv2d(xq.permute(0, 3, 1, 2), wd, conv.bias, stride=conv.stride, padding=conv.padding)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}x{c[5]}-s{c[6]}-c{c[1]}-{c[4]}")
+def test_kernel_is_the_convolution_of_the_quantized_operands(case):
+    n, c, h, w, co, k, stride, pad, bias, cl = case
+    torch.manual_seed(0)
+    x = torch.randn(n, c, h, w)
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(c, co, k, stride=stride, padding=pad, bias=bias)
+    layer = fp8_conv.StaticFP8Conv2d(conv, input_amax=float(x.abs().max()))
+    with torch.no_grad():
+        got = layer(x)
+        want = _dequantized_reference(layer, conv, x)
+    assert got.shape == want.shape == conv(x).shape
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    # the same products summed in another order: fp32 rounding only
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (got - want).abs().max()
+
+
+def test_static_layer_is_close_to_the_convolution_and_never_overflows():
+    torch.manual_seed(1)
+    conv = torch.nn.Conv2d(64, 32, 3, padding=1)
+    x = torch.randn(2, 64, 6, 6)
+    layer = fp8_conv.StaticFP8Conv2d(conv, input_amax=float(x.abs().max()))
+    with torch.no_grad():
+        assert rel_err(conv(x), layer(x)) < 0.08                 # e4m3's 3 mantissa bits on both operands
+        zero = layer(torch.zeros_like(x))                         # an all-zero input gives the bias
+        assert torch.allclose(zero, conv.bias.view(1, -1, 1, 1).expand_as(zero), atol=1e-6)
+        loud = layer(100 * x)                                     # far beyond the calibrated range: saturates
+        assert torch.isfinite(loud).all()
+    assert layer.weight.dtype == torch.float8_e4m3fn and "e4m3" in repr(layer)
+
+
+def test_which_convolutions_the_kernel_takes():
+    ok = torch.nn.Conv2d(320, 640, 3, padding=1)
+    assert fp8_conv.eligible(ok) is None
+    assert fp8_conv.eligible(torch.nn.Conv2d(320, 320, 1)) is None
+    assert fp8_conv.eligible(torch.nn.Conv2d(320, 320, 3, stride=2, padding=1)) is None
+    assert "multiple of 16" in fp8_conv.eligible(torch.nn.Conv2d(4, 320, 3, padding=1))    # conv_in
+    assert "narrower" in fp8_conv.eligible(torch.nn.Conv2d(128, 320, 3, padding=1))
+    assert "kernel 5" in fp8_conv.eligible(torch.nn.Conv2d(320, 320, 5, padding=2))
+    assert "grouped" in fp8_conv.eligible(torch.nn.Conv2d(320, 320, 3, padding=1, groups=2))
+    assert "stride" in fp8_conv.eligible(torch.nn.Conv2d(320, 320, 3, stride=3))
+    assert "multiple of 16" in fp8_conv.eligible(torch.nn.Conv2d(328, 320, 3, padding=1))
+    assert fp8_conv.eligible(torch.nn.Linear(320, 320)) == "not a Conv2d"
+    with pytest.raises(ValueError, match="cannot run in the FP8 kernel"):
+        fp8_conv.StaticFP8Conv2d(torch.nn.Conv2d(320, 320, 5, padding=2), 1.0)
+
+
+def test_conv_mode_is_off_unless_asked_and_names_its_choices():
+    assert fp8.conv_mode({}) == "off" and fp8.conv_mode({fp8.CONV_ENV: "Triton"}) == "triton"
+    with pytest.raises(InputError, match="ATELIER_FP8_CONV must be one of off, triton"):
+        fp8.conv_mode({fp8.CONV_ENV: "cudnn"})
+
+
+def _tiny_unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(32, 64), norm_num_groups=16,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                attention_head_dim=8).eval().requires_grad_(False)
+
+
+def test_a_unets_convolutions_swap_after_calibration_and_stay_close():
+    from optim.prune import unet_probe_inputs
+
+    unet = _tiny_unet()
+    inputs = unet_probe_inputs(unet, CPU, batch=2)
+    with torch.no_grad():
+        ref = unet(**inputs).sample
+    found = fp8.conv_candidates(unet, CPU, min_channels=32)
+    names = found["layers"]
+    assert names and "conv_in" not in names and "conv_out" not in names
+    shapes: dict = {}
+    amax, how = fp8.calibrate(resolve(unet, "diffusion"), names, CPU, steps=2, shapes=shapes)
+    assert how["source"].startswith("probe") and set(shapes) == set(names)
+    assert all(len(s) == 4 and s[1] == unet.get_submodule(n).in_channels for n, s in shapes.items())
+    report = fp8.quantize_convs_static(unet, amax, shapes, CPU, measure=False)
+    assert sorted(report["fp8_layers"]) == sorted(names) and report["kept"] == 0
+    swapped = [n for n, m in unet.named_modules() if isinstance(m, fp8_conv.StaticFP8Conv2d)]
+    assert sorted(swapped) == sorted(names)
+    assert isinstance(unet.conv_in, torch.nn.Conv2d) and isinstance(unet.conv_out, torch.nn.Conv2d)
+    with torch.no_grad():
+        got = unet(**inputs).sample
+    assert torch.isfinite(got).all() and rel_err(ref, got) < 0.15, rel_err(ref, got)
+
+
+def test_off_the_gpu_the_toggle_says_why_convolutions_stay():
+    assert "compute capability 10.0" in fp8._conv_note(CPU) and fp8.CONV_ENV in fp8._conv_note(CPU)
+    assert "CUDA" in fp8_conv.unavailable_reason("meta")
+
+
+def _big_unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(320, 640), norm_num_groups=32,
+                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                                cross_attention_dim=1024, attention_head_dim=8).eval().requires_grad_(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("select", ["size", "measure"])
+def test_gpu_fp8_convolutions_under_compile_and_cuda_graphs(tmp_path, monkeypatch, select):
+    """bf16 UNet (SDXL's channel widths), ATELIER_FP8_CONV=triton: its convolutions through the kernel
+    (all of them with the size filter; the measured selection reports each shape's cuDNN and FP8 times),
+    compiled by inductor with CUDA graphs, no skipped capture, close to the unquantized UNet, finite on zero text."""
+    from torch._dynamo.utils import counters
+    from optim.prune import unet_probe_inputs
+
+    cuda = torch.device("cuda")
+    if fp8.unavailable_reason(cuda):
+        pytest.skip(fp8.unavailable_reason(cuda))
+    monkeypatch.setenv(fp8.CONV_ENV, "triton")
+    monkeypatch.setenv(fp8.SELECT_ENV, select)
+    monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
+    ref_unet = _big_unet().to(cuda, torch.bfloat16)
+    inputs = unet_probe_inputs(ref_unet, cuda, batch=2)
+    with torch.no_grad():
+        ref = ref_unet(**inputs).sample.float()
+    del ref_unet
+    torch._dynamo.reset()
+    skips = int(counters["inductor"]["cudagraph_skips"])
+    unet, report = optim.prepare(_big_unet().to(cuda, torch.bfloat16),
+                                 Flags(precision="bf16", channels_last=True, fp8=True, compile="reduce-overhead"),
+                                 cuda, kind="diffusion", cache_dir=tmp_path)
+    convs = report["fp8"]["convolutions"]
+    assert isinstance(convs, dict) and "fp8_layers" in convs, convs
+    n_fp8 = sum(isinstance(m, fp8_conv.StaticFP8Conv2d) for m in getattr(unet, "_orig_mod", unet).modules())
+    assert n_fp8 == len(convs["fp8_layers"])
+    if select == "size":
+        assert n_fp8 > 0
+    else:
+        rows = convs["selection"]["shapes"]
+        assert rows and all(r["cudnn_us"] > 0 and r["fp8_us"] > 0 for r in rows), rows
+    with torch.no_grad():
+        for _ in range(3):                                 # warm-up, record, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            out = unet(**inputs).sample.float()
+        zero_text = dict(inputs, encoder_hidden_states=torch.zeros_like(inputs["encoder_hidden_states"]))
+        torch.compiler.cudagraph_mark_step_begin()
+        assert torch.isfinite(unet(**zero_text).sample).all()
+    assert int(counters["inductor"]["cudagraph_skips"]) == skips
+    assert rel_err(ref, out) < 0.15
