@@ -29,7 +29,9 @@ path's scales are fixed positive numbers, and inputs beyond the calibrated range
 (clamped before the cast: e4m3 has no infinity, an unclamped overflow would be NaN).
 
 Convolutions: torchao's FP8 convolution needs compute capability 10.0 (Blackwell) and the
-mslk kernels package; elsewhere they stay in bf16, and the report says why.
+mslk kernels package; elsewhere they stay in bf16, and the report says why. ATELIER_FP8_CONV=triton
+(static scaling) runs the large 1×1 / 3×3 ones in this studio's own Triton kernel (optim/fp8_conv.py),
+calibrated with the linears and, measured, only at the shapes where it beats cuDNN.
 
 StyleGAN is not quantized: its convolutions are modulated (weights rebuilt per sample, so
 there is no fixed weight to store in FP8) and its dense layers are 512 wide at most.

@@ -107,17 +107,21 @@ def _body():
         oh = rest // WO
         ow = rest % WO
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for tap in tl.static_range(KH * KW):
+        base = img.to(tl.int64) * H
+        w_rows = offs_n[None, :].to(tl.int64) * KTOT
+        # one loop over K = (tap, channel block), so the compiler pipelines all KH·KW·C/BLOCK_K steps as one
+        # (C is a multiple of BLOCK_K: a block never straddles two taps)
+        for kk in range(0, KTOT, BLOCK_K):
+            tap = kk // C
+            c0 = kk - tap * C
             ih = oh * STRIDE - PAD + tap // KW
             iw = ow * STRIDE - PAD + tap % KW
             ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            row = ((img.to(tl.int64) * H + ih) * W + iw) * C          # NHWC: this pixel's C channels
-            for c0 in range(0, C, BLOCK_K):
-                a = tl.load(x_ptr + row[:, None] + (c0 + offs_k)[None, :], mask=ok[:, None], other=0.0)
-                # weight [CO, KTOT]: a K-contiguous [BLOCK_K, BLOCK_N] tile
-                b = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * KTOT + (tap * C + c0 + offs_k)[:, None],
-                            mask=n_ok[None, :], other=0.0)
-                acc = tl.dot(a, b, acc)
+            row = tl.multiple_of(((base + ih) * W + iw) * C + c0, 16)       # NHWC: this pixel's channel block
+            a = tl.load(x_ptr + row[:, None] + offs_k[None, :], mask=ok[:, None], other=0.0)
+            # weight [CO, KTOT]: a K-contiguous [BLOCK_K, BLOCK_N] tile
+            b = tl.load(w_ptr + w_rows + (kk + offs_k)[:, None], mask=n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
         scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
         acc = acc * scale[None, :]
         if HAS_BIAS:

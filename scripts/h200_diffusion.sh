@@ -25,6 +25,7 @@
 #           `sdpa` part earlier in the call suggests; AB_EXTRA=fuse_qkv=1 adds flags to best's (a stacked row)
 #   imports where a new process's import of the diffusion stack goes (the second start's largest part): two runs
 #           of python -X importtime with the wheels' bytecode and one without it, $OUT/importtime-*.txt
+#   pytest  the gpu-marked tests PYTEST_ARGS names (files or node ids), log in $OUT/pytest.log
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
 # Carry [".whl", ".device_shared"] (docs/gpu-runbook.md).
@@ -90,9 +91,12 @@ for p in sys.argv[1:]:
             for w in parse_list(env.get("SDPA_WORKLOADS") or "sd15-512,sdxl-1024,sd-turbo-512"):
                 if get_workload(w).kind != "diffusion":
                     raise ValueError(f"{w} is not a diffusion workload")
+        elif p == "pytest":
+            if not env.get("PYTEST_ARGS", "").strip():
+                raise ValueError("needs PYTEST_ARGS (test files or node ids, e.g. tests/test_optim_fp8_conv.py)")
         elif p not in ("fp8", "tests", "rgtests", "aottest", "imports"):
             raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, envab, sdpa, "
-                             "tests, rgtests, aottest, imports)")
+                             "tests, rgtests, aottest, imports, pytest)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -157,8 +161,10 @@ print(next((w.get('route') or {}).get('value', '') for w in d['workloads'] if w[
              tests/test_diffusion_overlap.py tests/test_optim_precision.py tests/test_optim_fp8.py \
              tests/test_optim_compile.py tests/test_diffusion.py tests/test_bench_gpu.py tests/test_request_graph.py \
              tests/test_optim_fused_qkv.py tests/test_bench_sdpa.py tests/test_optim_memory.py tests/test_optim_prune.py \
-             tests/test_optim_attention.py tests/test_optim_tensorrt.py \
+             tests/test_optim_attention.py tests/test_optim_tensorrt.py tests/test_optim_fp8_conv.py \
              -k "not stylegan and not test_gpu_aot_parts" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
+    pytest) timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu -p no:cacheprovider --durations=5 $PYTEST_ARGS \
+              2>&1 | tee "$OUT/pytest.log" | tail -30 ;;
     rgtests) timeout ${RGTESTS_TIMEOUT:-200} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
                -k "not test_gpu_aot_parts" --durations=5 2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
     aottest) timeout ${AOTTEST_TIMEOUT:-330} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
