@@ -16,7 +16,7 @@ The layer (`StaticFP8Conv2d`) works like `optim.fp8.StaticFP8Linear`:
   bias and writes NHWC in the model's dtype: the result is a channels_last NCHW tensor, as cuDNN's would be.
 
 Which convolutions: 1×1 or 3×3 (square, zero padding, stride 1 or 2, no dilation or groups) with C and Cout
-multiples of 16 and at least `MIN_CHANNELS` wide; conv_in and conv_out (4 channels) never. Whether each shape
+multiples of 32 and 16 and at least `MIN_CHANNELS` wide; conv_in and conv_out (4 channels) never. Whether each shape
 is faster than cuDNN's bf16 convolution is then measured on the GPU (`optim.fp8.measured_selection` does the
 same for linears), so a shape where this kernel loses stays bf16.
 
@@ -34,8 +34,10 @@ import torch
 E4M3_MAX = 448.0
 MIN_CHANNELS = 256
 SCALE_LB = 1e-12
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner picks from per shape on a GPU
-_CONFIGS = ((128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the autotuner picks from per shape on a GPU; a BLOCK_K that
+# does not divide the input channels is pruned before timing (a K block must not straddle two taps)
+_CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4),
+            (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 32, 8, 4))
 
 
 def interpreting() -> bool:
@@ -80,8 +82,8 @@ def eligible(conv: torch.nn.Module, min_channels: int = MIN_CHANNELS) -> str | N
         return f"stride {conv.stride}"
     if isinstance(conv.padding, str) or conv.padding[0] != conv.padding[1]:
         return f"padding {conv.padding}"
-    if conv.in_channels % 16 or conv.out_channels % 16:
-        return "channels not a multiple of 16"
+    if conv.in_channels % 32 or conv.out_channels % 16:
+        return "input channels not a multiple of 32 or output channels not a multiple of 16"
     if conv.in_channels < min_channels or conv.out_channels < min_channels:
         return f"narrower than {min_channels} channels"
     return None
@@ -140,8 +142,17 @@ def _kernel():
     fn = triton.jit(_body())
     if interpreting():
         return fn
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in _CONFIGS]
-    return triton.autotune(configs=configs, key=["M", "C", "CO", "HO", "WO"], warmup=5, rep=20)(fn)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+               for bm, bn, bk, w, s in _CONFIGS]
+    # triton's default warm-up and repetitions: inductor refuses user kernels autotuned with others
+    return triton.autotune(configs=configs, key=["M", "C", "CO", "HO", "WO"],
+                           prune_configs_by={"early_config_prune": _dividing_configs})(fn)
+
+
+def _dividing_configs(configs, named_args, **kwargs):
+    """The configurations whose BLOCK_K divides the input channels."""
+    c = int(named_args["C"])
+    return [cfg for cfg in configs if c % cfg.kwargs["BLOCK_K"] == 0]
 
 
 def out_size(size: int, k: int, stride: int, pad: int) -> int:
@@ -166,9 +177,9 @@ def _launch(xq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch
     kernel = _kernel()
     if launcher is not None:
         kernel = launcher(kernel)
-    blocks = {"BLOCK_K": _block_k(c)}
+    blocks: dict[str, int] = {}
     if interpreting():
-        blocks.update(BLOCK_M=32, BLOCK_N=32)
+        blocks.update(BLOCK_M=32, BLOCK_N=32, BLOCK_K=_block_k(c))
 
         def grid(meta):
             return ((m + 31) // 32, (co + 31) // 32)
