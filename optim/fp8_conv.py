@@ -27,9 +27,10 @@ into the kernel and CUDA graphs capture it.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from models.fir_triton import _import_error, interpreting   # Triton importable at all; the CPU interpreter on
 
 E4M3_MAX = 448.0
 MIN_CHANNELS = 256
@@ -38,20 +39,6 @@ SCALE_LB = 1e-12
 # does not divide the input channels is pruned before timing (a K block must not straddle two taps)
 _CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4),
             (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 32, 8, 4))
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        return f"Triton is not importable ({type(e).__name__}: {e})"
-    return None
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -134,19 +121,24 @@ def _body():
     return conv_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
-    """The jitted kernel: autotuned over _CONFIGS on a GPU; one tile in the interpreter."""
+def _autotuned(fn):
+    """`fn` autotuned per shape over _CONFIGS (triton's default warm-up and repetitions: inductor refuses user
+    kernels autotuned with others), a BLOCK_K that does not divide C pruned first."""
     import triton
 
-    fn = triton.jit(_body())
-    if interpreting():
-        return fn
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-               for bm, bn, bk, w, s in _CONFIGS]
-    # triton's default warm-up and repetitions: inductor refuses user kernels autotuned with others
-    return triton.autotune(configs=configs, key=["M", "C", "CO", "HO", "WO"],
-                           prune_configs_by={"early_config_prune": _dividing_configs})(fn)
+    return triton.autotune(
+        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                 for bm, bn, bk, w, st in _CONFIGS],
+        key=["M", "C", "CO", "HO", "WO"], prune_configs_by={"early_config_prune": _dividing_configs})(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The kernel as launched: autotuned on a GPU; as written (one tile, chosen at launch) in the interpreter."""
+    import triton
+
+    jitted = triton.jit(_body())
+    return jitted if interpreting() else _autotuned(jitted)
 
 
 def _dividing_configs(configs, named_args, **kwargs):

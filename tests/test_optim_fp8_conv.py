@@ -14,6 +14,7 @@ from core.types import OptimizationFlags as Flags
 from optim import fp8, fp8_conv
 from optim.targets import resolve
 from tests.optim_helpers import CPU, rel_err
+from tests.test_optim_fp8 import _big_unet, _tiny_unet
 
 CASES = [  # (batch, C, H, W, Cout, kernel, stride, padding, bias, channels_last)
     (2, 32, 7, 5, 48, 3, 1, 1, True, False),
@@ -87,17 +88,6 @@ def test_conv_mode_is_off_unless_asked_and_names_its_choices():
         fp8.conv_mode({fp8.CONV_ENV: "cudnn"})
 
 
-def _tiny_unet():
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(32, 64), norm_num_groups=16,
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=8).eval().requires_grad_(False)
-
-
 def test_a_unets_convolutions_swap_after_calibration_and_stay_close():
     from optim.prune import unet_probe_inputs
 
@@ -105,7 +95,7 @@ def test_a_unets_convolutions_swap_after_calibration_and_stay_close():
     inputs = unet_probe_inputs(unet, CPU, batch=2)
     with torch.no_grad():
         ref = unet(**inputs).sample
-    found = fp8.conv_candidates(unet, CPU, min_channels=32)
+    found = fp8.conv_candidates(unet, CPU, min_channels=64)
     names = found["layers"]
     assert names and "conv_in" not in names and "conv_out" not in names
     shapes: dict = {}
@@ -127,21 +117,10 @@ def test_off_the_gpu_the_toggle_says_why_convolutions_stay():
     assert "CUDA" in fp8_conv.unavailable_reason("meta")
 
 
-def _big_unet():
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(320, 640), norm_num_groups=32,
-                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                                cross_attention_dim=1024, attention_head_dim=8).eval().requires_grad_(False)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("select", ["size", "measure"])
 def test_gpu_fp8_convolutions_under_compile_and_cuda_graphs(tmp_path, monkeypatch, select):
-    """bf16 UNet (SDXL's channel widths), ATELIER_FP8_CONV=triton: its convolutions through the kernel
+    """bf16 UNet (SDXL's 320 and 1280 channels), ATELIER_FP8_CONV=triton: its convolutions through the kernel
     (all of them with the size filter; the measured selection reports each shape's cuDNN and FP8 times),
     compiled by inductor with CUDA graphs, no skipped capture, close to the unquantized UNet, finite on zero text."""
     from torch._dynamo.utils import counters
