@@ -511,19 +511,13 @@ def test_gpu_static_fp8_unet_under_cuda_graphs(tmp_path, monkeypatch, dtype):
     """The default FP8 path on the real kernels: an fp16 (SD1.5's best) or bf16 UNet, calibrated, compiled by
     inductor with CUDA graphs (no skipped capture), close to the unquantized UNet, finite on zero text."""
     from torch._dynamo.utils import counters
-    from optim.prune import unet_probe_inputs
 
     cuda = torch.device("cuda")
     if fp8.unavailable_reason(cuda):
         pytest.skip(fp8.unavailable_reason(cuda))
     monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
     monkeypatch.setenv(fp8.SELECT_ENV, "size")     # the FP8 path itself (the measured selection has its own test)
-    ref_unet = _big_unet().to(cuda, dtype)
-    inputs = unet_probe_inputs(ref_unet, cuda, batch=2)
-    with torch.no_grad():
-        ref = ref_unet(**inputs).sample.float()
-    del ref_unet
-    torch._dynamo.reset()
+    ref, inputs = _big_unet_reference(cuda, dtype)
     skips = int(counters["inductor"]["cudagraph_skips"])
     unet, report = optim.prepare(_big_unet().to(cuda, dtype), Flags(precision="fp16" if dtype == torch.float16 else "bf16",
                                                                     fp8=True, compile="reduce-overhead"),
@@ -531,6 +525,27 @@ def test_gpu_static_fp8_unet_under_cuda_graphs(tmp_path, monkeypatch, dtype):
     r = report["fp8"]
     assert r["applied"] and r["scaling"] == "static", r
     assert sum(isinstance(m, fp8.StaticFP8Linear) for m in _modules(unet)) == r["fp8_layers"] > 0
+    out = _graphed_calls(unet, inputs)
+    assert int(counters["inductor"]["cudagraph_skips"]) == skips
+    assert out.dtype == torch.float32 and rel_err(ref, out) < 0.15
+
+
+def _big_unet_reference(cuda: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """The unquantized _big_unet's output (fp32) on probe inputs, and those inputs; dynamo reset after."""
+    from optim.prune import unet_probe_inputs
+
+    ref_unet = _big_unet().to(cuda, dtype)
+    inputs = unet_probe_inputs(ref_unet, cuda, batch=2)
+    with torch.no_grad():
+        ref = ref_unet(**inputs).sample.float()
+    del ref_unet
+    torch._dynamo.reset()
+    return ref, inputs
+
+
+def _graphed_calls(unet, inputs) -> torch.Tensor:
+    """A compiled UNet called as CUDA graphs run it (warm-up, record, replay), then on all-zero text (SDXL's
+    empty negative prompt), which must stay finite. The replayed output, in fp32."""
     with torch.no_grad():
         for _ in range(3):                                 # warm-up, record, replay
             torch.compiler.cudagraph_mark_step_begin()
@@ -538,8 +553,7 @@ def test_gpu_static_fp8_unet_under_cuda_graphs(tmp_path, monkeypatch, dtype):
         zero_text = dict(inputs, encoder_hidden_states=torch.zeros_like(inputs["encoder_hidden_states"]))
         torch.compiler.cudagraph_mark_step_begin()
         assert torch.isfinite(unet(**zero_text).sample).all()
-    assert int(counters["inductor"]["cudagraph_skips"]) == skips
-    assert out.dtype == torch.float32 and rel_err(ref, out) < 0.15
+    return out
 
 
 def _modules(m):

@@ -14,7 +14,7 @@ from core.types import OptimizationFlags as Flags
 from optim import fp8, fp8_conv
 from optim.targets import resolve
 from tests.optim_helpers import CPU, rel_err
-from tests.test_optim_fp8 import _big_unet, _tiny_unet
+from tests.test_optim_fp8 import _big_unet, _big_unet_reference, _graphed_calls, _tiny_unet
 
 CASES = [  # (batch, C, H, W, Cout, kernel, stride, padding, bias, channels_last)
     (2, 32, 7, 5, 48, 3, 1, 1, True, False),
@@ -124,7 +124,6 @@ def test_gpu_fp8_convolutions_under_compile_and_cuda_graphs(tmp_path, monkeypatc
     (all of them with the size filter; the measured selection reports each shape's cuDNN and FP8 times),
     compiled by inductor with CUDA graphs, no skipped capture, close to the unquantized UNet, finite on zero text."""
     from torch._dynamo.utils import counters
-    from optim.prune import unet_probe_inputs
 
     cuda = torch.device("cuda")
     if fp8.unavailable_reason(cuda):
@@ -132,12 +131,7 @@ def test_gpu_fp8_convolutions_under_compile_and_cuda_graphs(tmp_path, monkeypatc
     monkeypatch.setenv(fp8.CONV_ENV, "triton")
     monkeypatch.setenv(fp8.SELECT_ENV, select)
     monkeypatch.delenv(fp8.SCALING_ENV, raising=False)
-    ref_unet = _big_unet().to(cuda, torch.bfloat16)
-    inputs = unet_probe_inputs(ref_unet, cuda, batch=2)
-    with torch.no_grad():
-        ref = ref_unet(**inputs).sample.float()
-    del ref_unet
-    torch._dynamo.reset()
+    ref, inputs = _big_unet_reference(cuda, torch.bfloat16)
     skips = int(counters["inductor"]["cudagraph_skips"])
     unet, report = optim.prepare(_big_unet().to(cuda, torch.bfloat16),
                                  Flags(precision="bf16", channels_last=True, fp8=True, compile="reduce-overhead"),
@@ -151,13 +145,7 @@ def test_gpu_fp8_convolutions_under_compile_and_cuda_graphs(tmp_path, monkeypatc
     else:
         rows = convs["selection"]["shapes"]
         assert rows and all(r["cudnn_us"] > 0 and r["fp8_us"] > 0 for r in rows), rows
-    with torch.no_grad():
-        for _ in range(3):                                 # warm-up, record, replay
-            torch.compiler.cudagraph_mark_step_begin()
-            out = unet(**inputs).sample.float()
-        zero_text = dict(inputs, encoder_hidden_states=torch.zeros_like(inputs["encoder_hidden_states"]))
-        torch.compiler.cudagraph_mark_step_begin()
-        assert torch.isfinite(unet(**zero_text).sample).all()
+    out = _graphed_calls(unet, inputs)
     assert int(counters["inductor"]["cudagraph_skips"]) == skips
     assert rel_err(ref, out) < 0.15
 
