@@ -191,20 +191,41 @@ def conv2d_fp8(xq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: to
 
 @functools.lru_cache(maxsize=None)
 def _registered():
-    """Register `atelier::conv2d_fp8` (a triton_op: torch.compile sees the kernel) once, lazily."""
-    from torch.library import triton_op, wrap_triton
+    """Register `atelier::conv2d_fp8` once, lazily: on a GPU a triton_op (torch.compile traces the kernel into
+    its graph); in Triton's CPU interpreter an opaque custom op with a shape-only fake, since the interpreter
+    cannot run on the fake tensors a compile traces with (the CPU tests compile modules that call it)."""
+    from torch.library import custom_op, triton_op, wrap_triton
 
-    @triton_op("atelier::conv2d_fp8", mutates_args=())
-    def _op(xq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kh: int, kw: int,
-            stride: int, pad: int, out_dtype: torch.dtype) -> torch.Tensor:
-        return _launch(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype, launcher=wrap_triton)
+    def out_shape(xq, wq, kh, kw, stride, pad, out_dtype):
+        n, h, w, _ = xq.shape
+        return xq.new_empty((n, out_size(h, kh, stride, pad), out_size(w, kw, stride, pad), wq.shape[0]),
+                            dtype=out_dtype)
+
+    if interpreting():
+        @custom_op("atelier::conv2d_fp8", mutates_args=())
+        def _op(xq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kh: int, kw: int,
+                stride: int, pad: int, out_dtype: torch.dtype) -> torch.Tensor:
+            return _launch(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype)
+
+        @_op.register_fake
+        def _(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype):
+            return out_shape(xq, wq, kh, kw, stride, pad, out_dtype)
+    else:
+        @triton_op("atelier::conv2d_fp8", mutates_args=())
+        def _op(xq: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kh: int, kw: int,
+                stride: int, pad: int, out_dtype: torch.dtype) -> torch.Tensor:
+            return _launch(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype, launcher=wrap_triton)
 
     return torch.ops.atelier.conv2d_fp8
 
 
 def conv2d_fp8_op(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype):
-    """The registered op (what StaticFP8Conv2d calls: traced by torch.compile, captured by CUDA graphs)."""
-    return _registered()(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype)
+    """The registered op (what StaticFP8Conv2d calls: traced by torch.compile, captured by CUDA graphs).
+    Dynamo cannot trace the registration itself, only calls of the registered op: StaticFP8Conv2d registers it
+    when it is built, eagerly, before anything compiles it."""
+    if not torch.compiler.is_compiling():
+        _registered()
+    return torch.ops.atelier.conv2d_fp8(xq, wq, scale, bias, kh, kw, stride, pad, out_dtype)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +251,7 @@ class StaticFP8Conv2d(torch.nn.Module):
         self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
         self.out_dtype = conv.weight.dtype
         dev = conv.weight.device
+        _registered()                  # the custom op exists before torch.compile traces a call of it
         wq, ws = quantize_weight(conv.weight)
         x_scale = max(float(input_amax) * margin, SCALE_LB) / E4M3_MAX
         self.register_buffer("weight_fp8", wq)

@@ -66,6 +66,21 @@ def test_static_layer_is_close_to_the_convolution_and_never_overflows():
     assert layer.weight.dtype == torch.float8_e4m3fn and "e4m3" in repr(layer)
 
 
+def test_the_layer_compiles_as_one_graph_around_the_custom_op():
+    """torch.compile traces StaticFP8Conv2d with no graph break: the input's quantization and layout as graph
+    ops, the kernel as the registered op atelier::conv2d_fp8 (on a GPU inductor also traces into the kernel)."""
+    torch.manual_seed(2)
+    conv = torch.nn.Conv2d(64, 32, 3, padding=1)
+    x = torch.randn(2, 64, 6, 6).to(memory_format=torch.channels_last)
+    layer = fp8_conv.StaticFP8Conv2d(conv, float(x.abs().max()))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        want, got = layer(x), compiled(x)
+    assert hasattr(torch.ops.atelier, "conv2d_fp8")
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_which_convolutions_the_kernel_takes():
     ok = torch.nn.Conv2d(320, 640, 3, padding=1)
     assert fp8_conv.eligible(ok) is None
