@@ -186,9 +186,23 @@ class RecordedRequest:
             time_ids = torch.cat([time_ids, time_ids])
         return pe, {"text_embeds": pooled, "time_ids": time_ids.repeat(b, 1)}
 
-    def _forward(self, unet_calls: int | None = None) -> None:
+    def _forward(self, unet_calls: int | None = None, stages: dict | None = None) -> None:
         """The request, on the static buffers. `unet_calls` (a warm-up pass) stops the denoising loop after that
-        many UNet calls and goes on to the decode, so the pass meets every kernel of the full request sooner."""
+        many UNet calls and goes on to the decode, so the pass meets every kernel of the full request sooner.
+        `stages` (a warm-up pass, never a capture) gets the seconds of each stage, the device synchronized at
+        each boundary: text encoding, the first UNet call (with its scheduler step), the other UNet calls, the
+        decode with its copies out; a second start's first call is mostly these first runs."""
+        t_last = [time.perf_counter()]
+
+        def stage(name: str) -> None:
+            if stages is None:
+                return
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            now = time.perf_counter()
+            stages[name] = round(stages.get(name, 0.0) + now - t_last[0], 4)
+            t_last[0] = now
+
         key, sched, unet = self.key, self.scheduler, self.view.unet
         sched.set_timesteps(key.steps, device="cpu")            # resets the scheduler's per-run state
         if self.xl:
@@ -197,6 +211,7 @@ class RecordedRequest:
             pos = self._embed(0)
             embeds, added = (torch.cat([self._embed(1), pos]) if key.cfg else pos), None
         latents = self.noise.to(embeds.dtype) * sched.init_noise_sigma
+        stage("text")
         for n, (t_host, t_dev) in enumerate(zip(sched.timesteps, self._t_dev)):
             if unet_calls is not None and n >= unet_calls:
                 break
@@ -212,6 +227,7 @@ class RecordedRequest:
                 uncond, text = pred.chunk(2)
                 pred = uncond + self.guidance * (text - uncond)
             latents = sched.step(pred, t_host, latents, **self._step_kwargs, return_dict=False)[0]
+            stage("unet_first" if n == 0 else "unet_rest")
         from pipelines import aot_parts
 
         with aot_parts.swapped_decoder(self.view.vae, None if self.xl else self.aot):
@@ -223,6 +239,7 @@ class RecordedRequest:
         self.finite_host.copy_(torch.isfinite(image).all(), non_blocking=nb)
         self.u8_host.copy_(u8, non_blocking=nb)
         self.raw_host.copy_(pt, non_blocking=nb)
+        stage("decode")
 
     def record(self) -> None:
         """Warm up (compiles what is compiled, autotunes) on a side stream, then record the graph.
@@ -246,8 +263,11 @@ class RecordedRequest:
             with torch.cuda.stream(side):
                 for i in range(2):
                     t0 = time.perf_counter()
-                    self._forward(calls)
+                    stages: dict = {}
+                    self._forward(calls, stages=stages if i == 0 else None)
                     side.synchronize()
+                    if i == 0:
+                        times["first_pass_stages"] = stages     # (not warmup_*: a count of passes)
                     # the first pass loads AOT parts / compiles and autotunes; the second is a plain run that
                     # settles what a first dynamo call can leave unsettled (a recompile on changed guards)
                     times[f"warmup_{i + 1}"] = round(time.perf_counter() - t0, 3)

@@ -91,9 +91,13 @@ def test_a_short_warmup_pass_leaves_the_full_request_intact(pair, scheduler):
     hooks = [recorded.pipe.unet.register_forward_hook(lambda *a: seen.append(1)),
              recorded.pipe.vae.decoder.register_forward_hook(lambda *a: decoded.append(1))]
     try:
+        stages: dict = {}
         with torch.no_grad():
-            rec._forward(calls)             # the warm-up pass, as record() runs it
+            rec._forward(calls, stages=stages)      # the (first) warm-up pass, as record() runs it
         assert len(seen) == calls and len(decoded) == 1, (len(seen), len(decoded))
+        # where the pass's time goes, stage by stage (record_s["first_pass_stages"] on a GPU)
+        assert set(stages) == {"text", "unet_first", "unet_rest", "decode"}, stages
+        assert all(isinstance(v, float) and v >= 0 for v in stages.values()) and stages["unet_first"] > 0
         seen.clear()
         got = _gen(recorded, prompt="a blue house", seed=4, **kw)
         assert len(seen) == len(rec._t_host)        # the recorded request: every step
