@@ -25,25 +25,12 @@ torch.compile traces into the kernel and CUDA graphs capture it.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from core.triton_support import import_error as _import_error, interpreting  # noqa: F401  (re-exported)
+
 __all__ = ["available", "unavailable_reason", "ensure_registered", "fir1d", "fir1d_op"]
-
-
-@functools.lru_cache(maxsize=None)
-def _import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        return f"Triton is not importable ({type(e).__name__}: {e})"
-    return None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:

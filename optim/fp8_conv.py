@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from models.fir_triton import _import_error, interpreting   # Triton importable at all; the CPU interpreter on
+from core.triton_support import import_error as _import_error, interpreting
 
 E4M3_MAX = 448.0
 MIN_CHANNELS = 256
