@@ -136,15 +136,22 @@ def count_flops(fn: Callable[[], Any]) -> int:
 
 
 def count_flops_detailed(fn: Callable[[], Any]) -> dict[str, int]:
-    """{'flops': all, 'linear_flops': the part in plain matrix products (what FP8 linear layers can take)}.
+    """{'flops': all, 'linear_flops': the part in plain matrix products (what FP8 linear layers can take),
+    'conv_flops': convolutions, 'attention_flops': the fused attention kernels}. `bench.gap` sets each kernel
+    class's time against its own FLOPs with these.
 
     torch's counter knows the CUDA attention kernels (flash, memory-efficient, cuDNN) but not the CPU
     flash kernel, so on a CPU attention is left out; the GPU runs count it."""
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         fn()
-    by_op = counter.get_flop_counts().get("Global", {})
-    linear = sum(int(v) for op, v in by_op.items() if str(op) in LINEAR_OPS)
-    return {"flops": int(counter.get_total_flops()), "linear_flops": linear}
+    by_op = {str(op): int(v) for op, v in counter.get_flop_counts().get("Global", {}).items()}
+    return {"flops": int(counter.get_total_flops()),
+            "linear_flops": sum(v for op, v in by_op.items() if op in LINEAR_OPS),
+            "conv_flops": sum(v for op, v in by_op.items() if "convolution" in op),
+            "attention_flops": sum(v for op, v in by_op.items() if "attention" in op)}
+
+
+FLOP_PARTS = ("linear_flops", "conv_flops", "attention_flops")
 
 
 def _detached_clone(x):
@@ -180,20 +187,21 @@ class CallCapture:
         self._handles = []
 
     def flops(self) -> dict[str, dict]:
-        """stage -> {'calls': n, 'flops': total for the run, 'linear_flops': its plain matrix-product part};
-        modules replayed once each."""
+        """stage -> {'calls': n, 'flops': total for the run, and its parts (FLOP_PARTS: plain matrix products,
+        convolutions, attention)}; modules replayed once each."""
         self.remove()
         out: dict[str, dict] = {}
         for key, n in self.calls.items():
             stage = key.rsplit(".", 1)[0]
-            entry = out.setdefault(stage, {"calls": 0, "flops": 0, "linear_flops": 0})
+            entry = out.setdefault(stage, {"calls": 0, "flops": 0, **dict.fromkeys(FLOP_PARTS, 0)})
             if n == 0:
                 continue
             module, args, kwargs = self.first[key]
             per_call = count_flops_detailed(lambda: module(*args, **kwargs))
             entry["calls"] = max(entry["calls"], n)
             entry["flops"] += per_call["flops"] * n
-            entry["linear_flops"] += per_call["linear_flops"] * n
+            for part in FLOP_PARTS:
+                entry[part] += per_call[part] * n
         self.first.clear()
         return out
 

@@ -96,6 +96,71 @@ def test_stylegan_run_leaves_a_report_with_table_plot_and_reasons(sg2_run):
     assert {r["config"] for r in merged["results"]} == {"fp32", "bf16", "fp16", "tensorrt"}
 
 
+def test_gap_sets_each_kernel_class_against_its_flops_and_the_runs_rates(sg2_run, capsys):
+    from bench.gap import GapError, analyse, main as gap_main
+
+    wl = rows_of(sg2_run, "workload")[0]
+    stage = wl["flops_by_stage"]["synthesis"]
+    # the reference run's counter splits its FLOPs: StyleGAN's modulated convolutions are convolutions
+    assert stage["conv_flops"] > 0 and stage["attention_flops"] == 0
+    assert stage["linear_flops"] + stage["conv_flops"] + stage["attention_flops"] <= stage["flops"]
+    gaps = analyse(str(sg2_run / "bench.jsonl"))
+    assert [g.config for g in gaps] == ["bf16"]            # the one profiled row
+    g = gaps[0]
+    bf16 = results(sg2_run)[("bf16", 1)]
+    prof = bf16["profile"]
+    assert g.busy_ms == pytest.approx(prof["device_busy_ms"])
+    # every class's time is accounted for once: compute classes, memory-bound classes, the rest
+    assert sum(c.ms for c in g.lines) + g.other_ms == pytest.approx(sum(prof["by_class_ms"].values()))
+    mm = next(c for c in g.lines if c.name == "matmul+conv")
+    assert mm.tflop == pytest.approx((stage["linear_flops"] + stage["conv_flops"]) / 1e12)
+    rate = rows_of(sg2_run, "run")[0]["rates"]["bf16_tflops"]
+    assert mm.peak_tflops == rate and mm.at_peak_ms == pytest.approx(mm.tflop / rate * 1e3)
+    if mm.ms > 0:
+        assert mm.tflops == pytest.approx(mm.tflop / (mm.ms / 1e3))
+    assert g.compute_floor_ms == pytest.approx(sum(c.at_peak_ms for c in g.lines if c.tflop is not None)
+                                               + g.memory_ms + g.other_ms)
+    # the CLI: a table with a target line, and JSON
+    assert gap_main([str(sg2_run / "bench.jsonl"), "--target", "0.001"]) == 0
+    text = capsys.readouterr().out
+    assert "matmul+conv" in text and "target < 0.001 ms:" in text and "to go" in text
+    assert gap_main([str(sg2_run / "bench.jsonl"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["classes"][0]["class"] == "matmul+conv"
+    # a configuration without a profile: a clear error, exit 2
+    with pytest.raises(GapError, match="no profiled result of config 'fp32'"):
+        analyse(str(sg2_run / "bench.jsonl"), config="fp32")
+    assert gap_main([str(sg2_run / "bench.jsonl"), "--config", "fp32"]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_gap_takes_attention_flops_from_an_sdpa_table_for_runs_before_the_split(tmp_path):
+    from bench.gap import analyse, attention_flops_from_sdpa
+
+    table = {"workloads": [{"workload": "w", "shapes": [
+        {"batch": 2, "heads": 10, "q_len": 4096, "k_len": 4096, "head_dim": 64, "v_dim": 64, "calls_per_image": 300},
+        {"batch": 2, "heads": 20, "q_len": 1024, "k_len": 77, "head_dim": 64, "v_dim": 64, "calls_per_image": 1800}]}]}
+    attn = 4 * 2 * 10 * 4096 * 4096 * 64 * 300 + 4 * 2 * 20 * 1024 * 77 * 64 * 1800
+    assert attention_flops_from_sdpa(table, "w") == attn
+    # a run file as the GPU wrote them before 2026-12-06: linear FLOPs only, a profiled row
+    run = tmp_path / "old.jsonl"
+    lines = [{"type": "run", "rates": {"bf16_tflops": 800.0}, "gpu": "GPU"},
+             {"type": "workload", "workload": "w", "flops_per_image": 400e12,
+              "flops_by_stage": {"denoise": {"calls": 30, "flops": 400e12, "linear_flops": 250e12}}},
+             {"type": "result", "workload": "w", "config": "best", "batch": 1, "status": "ok", "ms_per_image": 1000.0,
+              "flags": {"precision": "bf16"},
+              "profile": {"wall_ms": 1040.0, "device_busy_ms": 970.0,
+                          "by_class_ms": {"matmul": 580.0, "attention": 140.0, "normalization/reduction": 110.0,
+                                          "elementwise (fused)": 125.0, "copy/layout": 15.0}}}]
+    run.write_text("\n".join(json.dumps(x) for x in lines))
+    g = analyse(str(run))[0]
+    assert any("pass --sdpa" in n for n in g.notes) and g.compute_floor_ms is None
+    g = analyse(str(run), sdpa=table)[0]
+    mm, at = g.lines[0], g.lines[1]
+    assert at.tflop == pytest.approx(attn / 1e12) and mm.tflop == pytest.approx((400e12 - attn) / 1e12)
+    assert g.memory_ms == pytest.approx(250.0) and g.compute_floor_ms == pytest.approx(
+        (400e12 / 800e12) * 1e3 + 250.0)
+
+
 def test_strict_fails_the_case_and_the_rest_continue(tmp_path):
     # fp32 is not asked for: the drift reference comes from a dedicated fp32 run before the first case.
     rc = bench(tmp_path, "--workload", "sg2-tiny", "--configs", "fp16,bf16", "--batches", "1", "--repeats", "1",
