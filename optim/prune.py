@@ -16,8 +16,10 @@
     keep their channels).
   * Diffusion UNet: the inner channels of every ResNet block (conv1 -> time embedding ->
     GroupNorm -> conv2), through torch-pruning's dependency graph, the same number in each
-    GroupNorm group so the groups stay aligned. Channels on skip connections and in
-    attention are left alone: cutting them reshapes the whole UNet for little gain.
+    GroupNorm group so the groups stay aligned; and in every transformer block the feed-forward
+    inner channels (a GEGLU's value and gate rows together, kept to a multiple of 64) and whole
+    attention heads (their Q/K/V rows and output columns), by plain slicing. Channels on skip
+    connections and the residual stream are left alone: cutting them reshapes the whole UNet.
   The report has the parameter count before and after and the drift from the unpruned
   output on a fixed probe input (PSNR and relative error).
 """
@@ -317,6 +319,80 @@ def structured_stylegan(G: torch.nn.Module, amount: float) -> dict:
 # Structured: diffusion UNet (torch-pruning)
 
 
+def _slice_linear(lin: torch.nn.Linear, idx: torch.Tensor, dim: int) -> None:
+    """Keep rows (dim 0: output features, and the bias) or columns (dim 1: input features) `idx` of a Linear."""
+    _slice_param(lin, "weight", idx, dim)
+    if dim == 0:
+        if lin.bias is not None:
+            _slice_param(lin, "bias", idx, 0)
+        lin.out_features = int(idx.numel())
+    else:
+        lin.in_features = int(idx.numel())
+
+
+def _aligned_keep(n: int, amount: float) -> int:
+    """How many of n channels to keep: n·(1 - amount) rounded down to a multiple of 64 (8 for narrow layers), so
+    the smaller GEMMs still fit the tensor cores' tiles; 0 when that would keep all of them."""
+    align = 64 if n >= 256 else 8
+    keep = max(align, int(n * (1 - amount)) // align * align)
+    return keep if keep < n else 0
+
+
+def _prune_feedforward(ff: torch.nn.Module, amount: float) -> tuple[int, int] | None:
+    """The inner (hidden) channels of a diffusers FeedForward: rows of the input projection (both halves of a
+    GEGLU's, the value and the gate of a channel go together) and columns of the output projection. Ranked by
+    the weight magnitude on the channel's path: |W_in row|₁ · |W_out column|₁ (the gate's row too for GEGLU)."""
+    net = getattr(ff, "net", None)
+    if net is None or len(net) < 3 or not isinstance(net[2], torch.nn.Linear):
+        return None
+    proj, out = getattr(net[0], "proj", None), net[2]
+    if not isinstance(proj, torch.nn.Linear):
+        return None
+    inner = out.in_features
+    gated = proj.out_features == 2 * inner
+    if not gated and proj.out_features != inner:
+        return None
+    keep = _aligned_keep(inner, amount)
+    if not keep:
+        return None
+    w = proj.weight.detach().float().abs()
+    score = w[:inner].sum(1) * out.weight.detach().float().abs().sum(0)
+    if gated:
+        score = score * w[inner:].sum(1)
+    idx = torch.sort(torch.argsort(score, descending=True)[:keep]).values
+    _slice_linear(proj, torch.cat([idx, idx + inner]) if gated else idx, 0)
+    _slice_linear(out, idx, 1)
+    return inner, keep
+
+
+def _prune_heads(attn: torch.nn.Module, amount: float) -> tuple[int, int] | None:
+    """Whole attention heads of a diffusers Attention: their rows of to_q / to_k / to_v and columns of to_out.
+    Ranked by each head's value path, |W_v rows|₁ · |W_out columns|₁. Layers with extra projections (added K/V,
+    query/key norms, grouped K/V heads) are left alone."""
+    if not all(isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("to_q", "to_k", "to_v")):
+        return None
+    if getattr(attn, "add_k_proj", None) is not None or getattr(attn, "norm_q", None) is not None:
+        return None
+    heads, out = int(attn.heads), attn.to_out[0]
+    inner = attn.to_q.out_features
+    if inner % heads or attn.to_k.out_features != inner or attn.to_v.out_features != inner:
+        return None
+    drop = int(heads * amount)
+    if drop < 1 or drop >= heads:
+        return None
+    d = inner // heads
+    score = (attn.to_v.weight.detach().float().abs().view(heads, d, -1).sum((1, 2))
+             * out.weight.detach().float().abs().view(out.out_features, heads, d).sum((0, 2)))
+    kept = torch.sort(torch.argsort(score, descending=True)[:heads - drop]).values
+    idx = (kept[:, None] * d + torch.arange(d)).flatten()
+    for lin in (attn.to_q, attn.to_k, attn.to_v):
+        _slice_linear(lin, idx, 0)
+    _slice_linear(out, idx, 1)
+    attn.heads = attn.sliceable_head_dim = heads - drop
+    attn.inner_dim = attn.inner_kv_dim = int(idx.numel())
+    return heads, heads - drop
+
+
 def structured_unet(unet: torch.nn.Module, amount: float, device: torch.device) -> dict:
     import torch_pruning as tp
 
@@ -351,8 +427,24 @@ def structured_unet(unet: torch.nn.Module, amount: float, device: torch.device) 
             p.requires_grad_(was.get(n, False))
     if not after:
         raise ValueError(f"amount {amount} removes less than one channel per GroupNorm group; use a larger amount")
+    # The transformer blocks, by plain slicing: their feed-forward inner channels and attention heads. Channels on
+    # the residual stream (proj_in/out, the blocks' width) stay, as the ResNets' skip channels do.
+    ff, heads = {}, {}
+    with torch.no_grad():
+        for name, m in unet.named_modules():
+            if type(m).__name__ == "FeedForward":
+                cut = _prune_feedforward(m, amount)
+                if cut:
+                    ff[name] = cut
+            elif hasattr(m, "to_q") and hasattr(m, "heads") and hasattr(m, "to_out"):
+                cut = _prune_heads(m, amount)
+                if cut:
+                    heads[name] = cut
     return {"channels_before": before, "channels_after": after,
-            "scope": "inner channels of every ResNet block (conv1 -> GroupNorm -> conv2)"}
+            "feedforward_inner": {n: {"before": b, "after": a} for n, (b, a) in ff.items()},
+            "attention_heads": {n: {"before": b, "after": a} for n, (b, a) in heads.items()},
+            "scope": "inner channels of every ResNet block (conv1 -> GroupNorm -> conv2), the feed-forward inner "
+                     "channels and whole attention heads of every transformer block"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,5 +495,9 @@ def apply(target: Target, flags: OptimizationFlags, ctx: Context) -> ToggleRepor
                        "(no speed-up on dense kernels)", **rep)
     rep["speedup"] = (f"real: {1 - params_after / params_before:.0%} fewer parameters, smaller dense convolutions"
                       + (" (UNet only)" if what == "unet" else ""))
+    if what == "unet":
+        return applied(f"{len(details['channels_after'])} ResNet blocks, {len(details['feedforward_inner'])} "
+                       f"feed-forward layers and {len(details['attention_heads'])} attention layers cut to "
+                       f"~{1 - amount:.0%} of their channels / heads", **rep)
     return applied(f"{len(details['channels_after'])} channel groups cut to ~{1 - amount:.0%} of their channels",
                    **rep)

@@ -161,6 +161,23 @@ def test_structured_unet_with_torch_pruning(make):
         assert m.conv1.out_channels == m.norm2.num_channels == m.conv2.in_channels == m.time_emb_proj.out_features
         assert m.norm2.num_channels % m.norm2.num_groups == 0
         assert m.conv1.out_channels == m.conv2.out_channels // 2       # 50 % of the inner channels
+    # the transformer blocks: feed-forward inner channels (GEGLU: value and gate rows together) and whole heads
+    ffs = [m for m in unet.modules() if type(m).__name__ == "FeedForward"]
+    attns = [m for m in unet.modules() if type(m).__name__ == "Attention"]
+    assert ffs and attns and len(r["feedforward_inner"]) == len(ffs) and len(r["attention_heads"]) == len(attns)
+    for m in ffs:
+        proj, out = m.net[0].proj, m.net[2]
+        assert proj.out_features == 2 * out.in_features == proj.weight.shape[0] == proj.bias.shape[0]
+        assert out.in_features == out.weight.shape[1] and out.out_features == proj.in_features
+    for name, cut in r["feedforward_inner"].items():
+        assert cut["after"] == cut["before"] // 2
+    for m in attns:
+        d = m.to_q.out_features // m.heads
+        assert m.to_q.out_features == m.to_k.out_features == m.to_v.out_features == m.to_out[0].in_features
+        assert m.to_q.weight.shape[0] == m.heads * d and m.inner_dim == m.to_q.out_features
+    for name, cut in r["attention_heads"].items():
+        assert cut["after"] == cut["before"] // 2
+    assert r["flops"]["fraction_left"] < 0.7 and "attention heads" in r["scope"]
     assert not any(p.requires_grad for p in unet.parameters())
     from optim.prune import unet_probe_inputs
 
@@ -168,6 +185,26 @@ def test_structured_unet_with_torch_pruning(make):
         out = unet(**unet_probe_inputs(unet, CPU)).sample
     assert out.shape == (1, 4, 8, 8) and torch.isfinite(out).all()
     assert r["drift"]["rel_err"] > 0
+
+
+def test_pruned_heads_and_feedforward_compose_with_fused_qkv():
+    """A UNet with pruned heads and feed-forward channels, then fused Q/K/V: the fused product splits by the
+    pruned width and the heads the layer now has, so the output equals the unfused pruned UNet's (fp32, up to
+    summation order)."""
+    import copy
+
+    from optim.prune import unet_probe_inputs
+    from tests.optim_tiny import tiny_unet
+
+    pruned, rep = optim.prepare(tiny_unet(), Flags(prune_amount=0.5, prune_method="structured"), CPU,
+                                kind="diffusion")
+    assert rep["prune"]["applied"] and rep["prune"]["attention_heads"]
+    fused, rep2 = optim.prepare(copy.deepcopy(pruned), Flags(fuse_qkv=True), CPU, kind="diffusion")
+    assert rep2["fuse_qkv"]["applied"], rep2["fuse_qkv"]
+    inputs = unet_probe_inputs(pruned, CPU)
+    with torch.no_grad():
+        a, b = pruned(**inputs).sample, fused(**inputs).sample
+    assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-4 * a.abs().max()
 
 
 def test_l1_unstructured_unet():
