@@ -384,7 +384,7 @@ def _prune_heads(attn: torch.nn.Module, amount: float) -> tuple[int, int] | None
     score = (attn.to_v.weight.detach().float().abs().view(heads, d, -1).sum((1, 2))
              * out.weight.detach().float().abs().view(out.out_features, heads, d).sum((0, 2)))
     kept = torch.sort(torch.argsort(score, descending=True)[:heads - drop]).values
-    idx = (kept[:, None] * d + torch.arange(d)).flatten()
+    idx = (kept[:, None] * d + torch.arange(d, device=kept.device)).flatten()
     for lin in (attn.to_q, attn.to_k, attn.to_v):
         _slice_linear(lin, idx, 0)
     _slice_linear(out, idx, 1)
