@@ -207,6 +207,23 @@ def test_pruned_heads_and_feedforward_compose_with_fused_qkv():
     assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-4 * a.abs().max()
 
 
+def test_transformer_pruning_keeps_every_index_on_the_weights_device():
+    """The head and feed-forward cuts build their indices where the weights are: on the meta device (as on a GPU,
+    where a CPU index once failed on the H100) every tensor involved must be on that device."""
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.attention_processor import Attention
+
+    from optim.prune import _prune_feedforward, _prune_heads
+
+    attn = Attention(query_dim=64, heads=8, dim_head=8).to("meta")
+    assert _prune_heads(attn, 0.5) == (8, 4)
+    assert attn.to_q.weight.shape == (32, 64) and attn.to_out[0].weight.shape == (64, 32)
+    assert attn.to_v.weight.device.type == "meta" and attn.heads == 4
+    ff = FeedForward(64, mult=8).to("meta")          # inner 512: kept to a multiple of 64
+    assert _prune_feedforward(ff, 0.3) == (512, 320)
+    assert ff.net[0].proj.weight.shape == (640, 64) and ff.net[2].weight.shape == (64, 320)
+
+
 def test_l1_unstructured_unet():
     from tests.optim_tiny import tiny_unet
 
