@@ -133,14 +133,15 @@ def analyse(path: str, sdpa: dict | None = None, config: str | None = None) -> l
             seen_profile = True
             if config and r["config"] != config:
                 continue
-            gaps.append(_gap(r, workloads.get(r["workload"]), rates, gpu, sdpa))
+            gaps.append(gap_of_row(r, workloads.get(r["workload"]), rates, gpu, sdpa))
     if not gaps:
         what = f"no profiled result of config {config!r}" if config and seen_profile else "no profiled result row"
         raise GapError(f"{path}: {what} (bench rows get a kernel profile with --profile CONFIG on a GPU)")
     return gaps
 
 
-def _gap(r: dict, wl: dict | None, rates: dict, gpu: str, sdpa: dict | None) -> Gap:
+def gap_of_row(r: dict, wl: dict | None, rates: dict, gpu: str, sdpa: dict | None = None) -> Gap:
+    """The Gap of one profiled result row, given its workload line and its run's measured rates."""
     prof = r["profile"]
     batch = int(r.get("batch") or 1)
     by_class = {k: float(v) / batch for k, v in (prof.get("by_class_ms") or {}).items()}

@@ -326,7 +326,28 @@ def limit_text(row: dict, m: Merged | None = None) -> str:
     if kernels:
         k = kernels[0]
         parts.append(f"top kernel {k['name'][:80]} ({_f(k.get('pct'), 0)}%)")
+    floor = _compute_floor(row, m)
+    if floor:
+        parts.append(floor)
     return "; ".join(parts)
+
+
+def _compute_floor(row: dict, m: Merged | None) -> str | None:
+    """`bench.gap`'s verdict for a profiled row whose workload line has the FLOP split: what every GEMM, convolution
+    and attention kernel at the run's measured rate would reach, and the memory-bound kernels' share."""
+    if m is None or not row.get("profile"):
+        return None
+    from bench.gap import gap_of_row
+
+    run = m.runs.get(row.get("run_id")) or {}
+    g = gap_of_row(row, m.workloads.get(row.get("workload")), run.get("rates") or {}, run_device(run) or "?")
+    floor = g.compute_floor_ms
+    if floor is None:
+        return None
+    mm = next((c for c in g.lines if c.name == "matmul+conv"), None)
+    return (f"GEMMs + convolutions at {100 * (mm.of_peak or 0):.0f}% of the run's measured rate; with every GEMM, "
+            f"convolution and attention kernel at that rate: {floor:.0f} ms, of which {g.memory_ms:.0f} ms "
+            f"memory-bound kernels (python -m bench.gap)")
 
 
 # ==========================================================================================================

@@ -131,9 +131,24 @@ def _diffusers():
 
     # every path that imports diffusers comes through here: never alongside the studio's background import
     preload.wait()
-    import diffusers            # imported on first use: it is slow to import and the StyleGAN path never needs it
-
+    with preload.lean_imports():
+        import diffusers        # imported on first use: it is slow to import and the StyleGAN path never needs it
+        _pipelines_imported(diffusers)
     return diffusers
+
+
+_STACK_IMPORTED = False
+
+
+def _pipelines_imported(diffusers) -> None:
+    """Touch the pipeline classes once, inside lean_imports: diffusers' names are lazy, and transformers' model
+    modules (with the optional imports lean_imports leaves out) load when a pipeline class is first touched."""
+    global _STACK_IMPORTED
+    if not _STACK_IMPORTED:
+        from pipelines.preload import _import_diffusers_classes
+
+        _import_diffusers_classes()
+        _STACK_IMPORTED = True
 
 
 _FIXED_DEVICE_CLASSES: dict[type, type] = {}

@@ -297,6 +297,27 @@ def test_targets_name_the_best_row_and_the_margin():
     assert t1["status"] == "missed" and t1["config"] == "bf16" and t1["margin"] == pytest.approx(-0.5)
     assert "busy 30%" in t1["limit"] and "convolution 75%" in t1["limit"]
     assert t2["status"] == "met" and t2["batch"] == 32 and t2["margin"] == pytest.approx(0.25)
+    assert "bench.gap" not in t1["limit"]          # no FLOP split in the workload line: no compute floor claimed
+
+
+def test_a_missed_target_names_the_floor_with_compute_kernels_at_the_measured_rate():
+    rows = [
+        {"type": "run", "run_id": "r1", "gpu": "GPU", "rates": {"bf16_tflops": 800.0}},
+        {"type": "workload", "workload": "w", "kind": "diffusion", "flops_per_image": 400e12,
+         "flops_by_stage": {"denoise": {"calls": 30, "flops": 400e12, "linear_flops": 250e12, "conv_flops": 100e12,
+                                        "attention_flops": 48e12}},
+         "targets": [{"metric": "ms_per_image", "op": "<", "value": 850, "batch": "1", "configs": "any",
+                      "label": "< 850 ms"}]},
+        {"type": "result", "run_id": "r1", "workload": "w", "config": "best", "batch": 1, "status": "ok",
+         "ms_per_image": 1000.0, "flags": {"precision": "bf16"},
+         "profile": {"wall_ms": 1040.0, "device_busy_ms": 970.0, "busy_fraction": 0.97,
+                     "by_class_ms": {"matmul": 580.0, "attention": 140.0, "normalization/reduction": 110.0,
+                                     "elementwise (fused)": 125.0, "copy/layout": 15.0}, "top": []}},
+    ]
+    (t,) = evaluate_targets(merge(rows), "w")
+    assert t["status"] == "missed"
+    # 350 TFLOP of GEMMs + convolutions in 580 ms = 603 TFLOP/s = 75 % of 800; at 800: 437.5 + 60 + 250 ms
+    assert "75% of the run's measured rate" in t["limit"] and "748 ms" in t["limit"] and "250 ms" in t["limit"]
 
 
 def test_configuration_names_and_custom_flags():

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,3 +64,37 @@ def test_the_studio_server_starts_the_background_import(tmp_path):
         "                  'error': preload.status()['error']}))\n",
         ATELIER_PRELOAD="1")
     assert got == {"started": True, "imported": True, "error": None}
+
+
+LEAN_CODE = (
+    "import json, sys, importlib.util\n"
+    "from pipelines import preload\n"
+    "from pipelines.diffusion import _pipeline_class\n"
+    "{how}\n"
+    "cls = _pipeline_class('sd')\n"
+    "from transformers.utils import import_utils as tiu\n"
+    "from diffusers.utils import import_utils as diu\n"
+    "print(json.dumps({{'torchao': 'torchao' in sys.modules, 'sklearn': 'sklearn' in sys.modules,\n"
+    "                  'installed': importlib.util.find_spec('torchao') is not None,\n"
+    "                  'transformers_says': bool(tiu.is_torchao_available()), 'diffusers_says': bool(diu.is_torchao_available()),\n"
+    "                  'cls': cls.__name__}}))\n")
+
+
+@pytest.mark.parametrize("how", ["preload.start(); preload.wait()", "pass"], ids=["background", "loader"])
+def test_the_stack_imports_without_the_optional_packages_the_studio_does_not_use(how):
+    """transformers and diffusers import torchao (and transformers scikit-learn) when installed, for features the
+    studio never uses through them; both import paths leave them out, and afterwards the libraries' checks tell
+    the truth again (the FP8 toggle imports torchao itself)."""
+    got = _run(LEAN_CODE.format(how=how), ATELIER_PRELOAD="1")
+    if not got["installed"]:
+        pytest.skip("torchao is not installed here: nothing to leave out")
+    assert got["cls"] == "StableDiffusionPipeline"
+    assert got["torchao"] is False and got["sklearn"] is False
+    assert got["transformers_says"] is True and got["diffusers_says"] is True
+
+
+def test_lean_imports_off_imports_them_as_the_libraries_do():
+    got = _run(LEAN_CODE.format(how="pass"), ATELIER_LEAN_IMPORTS="0")
+    if not got["installed"]:
+        pytest.skip("torchao is not installed here")
+    assert got["torchao"] is True and got["cls"] == "StableDiffusionPipeline"
