@@ -23,8 +23,9 @@
 #           such as ATELIER_SDPA_ROUTE=cross=efficient or ATELIER_INDUCTOR_TUNING=coordinate), as config AB_NAME
 #           (default envab): compare with the call's `best`; AB_ENV=ATELIER_SDPA_ROUTE=suggested takes the route an
 #           `sdpa` part earlier in the call suggests; AB_EXTRA=fuse_qkv=1 adds flags to best's (a stacked row)
-#   imports where a new process's import of the diffusion stack goes (the second start's largest part): two runs
-#           of python -X importtime with the wheels' bytecode and one without it, $OUT/importtime-*.txt
+#   imports where a new process's import of the diffusion stack goes (the second start's largest part): the
+#           stack imported lean and not (ATELIER_LEAN_IMPORTS=1/0, alternating, untraced), then one
+#           python -X importtime trace, $OUT/importtime-lean.txt
 #   pytest  the gpu-marked tests PYTEST_ARGS names (files or node ids), log in $OUT/pytest.log
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
@@ -169,16 +170,17 @@ print(next((w.get('route') or {}).get('value', '') for w in d['workloads'] if w[
                -k "not test_gpu_aot_parts" --durations=5 2>&1 | tee "$OUT/rg-tests.log" | tail -40 ;;
     aottest) timeout ${AOTTEST_TIMEOUT:-330} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \
                -k test_gpu_aot_parts --durations=5 2>&1 | tee "$OUT/rg-aot-test.log" | tail -40 ;;
-    imports) lscpu | grep -E "^(Model name|CPU\(s\))"; python3 -c "import sys; print('dont_write_bytecode', sys.flags.dont_write_bytecode)"
-             # A/B: the wheels as installed now (bytecode compiled at install) against the same wheels without
-             # bytecode (pip --no-compile, as this harness installed them until 2026-12-05)
-             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-raw .whl/*.whl
-             for run in compiled:/tmp/site raw:/tmp/site-raw compiled:/tmp/site; do
-               PYTHONPATH=${run#*:} python3 -X importtime -c "import time; t = time.perf_counter(); import torch; t1 = time.perf_counter()
+    imports) lscpu | grep -E "^(Model name|CPU\(s\))"
+             # A/B, alternating, untraced: the stack imported lean (torchao / sklearn left out, the default since
+             # 2026-12-06) and as the libraries would (ATELIER_LEAN_IMPORTS=0); then one -X importtime trace, lean
+             for lean in 1 0 1 0; do
+               ATELIER_LEAN_IMPORTS=$lean python3 -c "import sys, time; t = time.perf_counter(); import torch; t1 = time.perf_counter()
 from pipelines.diffusion import _pipeline_class; _pipeline_class('sd'); t2 = time.perf_counter()
-print(f'import (${run%%:*} wheels): torch {t1 - t:.2f} s, the diffusion stack {t2 - t1:.2f} s')" 2> "$OUT/importtime-${run%%:*}.txt"
+print(f'import (lean=$lean): torch {t1 - t:.2f} s, the diffusion stack {t2 - t1:.2f} s; torchao loaded: {\"torchao\" in sys.modules}, sklearn: {\"sklearn\" in sys.modules}')"
              done
-             grep '^import time:' "$OUT/importtime-compiled.txt" | sort -t'|' -k2 -n -r | head -30 ;;
+             python3 -X importtime -c "import torch
+from pipelines.diffusion import _pipeline_class; _pipeline_class('sd')" 2> "$OUT/importtime-lean.txt"
+             grep '^import time:' "$OUT/importtime-lean.txt" | sort -t'|' -k2 -n -r | head -30 ;;
     *) echo "unknown part $part" ;;
   esac
 done
