@@ -373,6 +373,12 @@ def _flops_line(wl: dict, rates: dict | None) -> str:
     return line + "."
 
 
+def _run_date(m: Merged, r: dict) -> str:
+    """', run of YYYY-MM-DD': a failure stays listed until the configuration succeeds, so say how old it is."""
+    date = str((m.runs.get(r.get("run_id")) or {}).get("date") or "")[:10]
+    return f", run of {date}" if date else ""
+
+
 def _status_text(r: dict) -> str:
     s = r.get("status")
     if s == "ok":
@@ -464,7 +470,7 @@ def render_markdown(m: Merged, plots: dict[str, str] | None = None, plot_note: s
                  if (w, b, c) in m.results and m.results[(w, b, c)].get("status") != "ok"]
         if other:
             lines += ["Not measured:", ""]
-            lines += [f"- `{c}` (batch {b}): {_status_text(r)}" for c, b, r in other] + [""]
+            lines += [f"- `{c}` (batch {b}{_run_date(m, r)}): {_status_text(r)}" for c, b, r in other] + [""]
         targets = evaluate_targets(m, w)
         if targets:
             lines += [f"Targets ({m.reference_gpu or 'H200'}; the baseline and tiny-autoencoder rows excluded):", ""]
