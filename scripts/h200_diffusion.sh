@@ -26,6 +26,8 @@
 #   imports where a new process's import of the diffusion stack goes (the second start's largest part): the
 #           stack imported lean and not (ATELIER_LEAN_IMPORTS=1/0, alternating, untraced), then one
 #           python -X importtime trace, $OUT/importtime-lean.txt
+#   prune-ab one UNet step from a CUDA graph, full against structurally pruned (scripts/unet_prune_ab.py;
+#           PRUNEAB_MODEL sd15|sdxl|..., PRUNEAB_AMOUNTS, PRUNEAB_DTYPE fp16|bf16; ~40 s a model), $OUT/prune-ab-*.json
 #   pytest  the gpu-marked tests PYTEST_ARGS names (files or node ids), log in $OUT/pytest.log
 #   aottest the AOT-parts GPU test alone (log under $OUT/rg-aot-test.log; give it >= 300 s: it builds three
 #           AOTInductor packages, then loads them in a second start)
@@ -95,9 +97,17 @@ for p in sys.argv[1:]:
         elif p == "pytest":
             if not env.get("PYTEST_ARGS", "").strip():
                 raise ValueError("needs PYTEST_ARGS (test files or node ids, e.g. tests/test_optim_fp8_conv.py)")
+        elif p == "prune-ab":
+            from pathlib import Path
+            model = env.get("PRUNEAB_MODEL", "sd15")
+            if not (Path("assets/diffusion_configs") / model / "unet" / "config.json").is_file():
+                raise ValueError(f"PRUNEAB_MODEL={model}: no assets/diffusion_configs/{model}/unet/config.json")
+            if env.get("PRUNEAB_DTYPE", "fp16") not in ("fp16", "bf16"):
+                raise ValueError("PRUNEAB_DTYPE must be fp16 or bf16")
+            [float(a) for a in env.get("PRUNEAB_AMOUNTS", "0.25,0.5").split(",") if a]
         elif p not in ("fp8", "tests", "rgtests", "aottest", "imports"):
             raise ValueError("unknown part (turbo, sd15, sdxl, save-W, warm-W, warm0-W, fp8, tuning, envab, sdpa, "
-                             "tests, rgtests, aottest, imports, pytest)")
+                             "tests, rgtests, aottest, imports, pytest, prune-ab)")
     except Exception as exc:
         errors.append(f"{p}: {exc}")
 if errors:
@@ -164,6 +174,8 @@ print(next((w.get('route') or {}).get('value', '') for w in d['workloads'] if w[
              tests/test_optim_fused_qkv.py tests/test_bench_sdpa.py tests/test_optim_memory.py tests/test_optim_prune.py \
              tests/test_optim_attention.py tests/test_optim_tensorrt.py tests/test_optim_fp8_conv.py \
              -k "not stylegan and not test_gpu_aot_parts" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" ;;
+    prune-ab) timeout ${PRUNEAB_TIMEOUT:-200} python3 scripts/unet_prune_ab.py --model ${PRUNEAB_MODEL:-sd15} \
+                --amounts ${PRUNEAB_AMOUNTS:-0.25,0.5} --dtype ${PRUNEAB_DTYPE:-fp16} --out "$OUT/prune-ab-${PRUNEAB_MODEL:-sd15}.json" ;;
     pytest) timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu -p no:cacheprovider --durations=5 $PYTEST_ARGS \
               2>&1 | tee "$OUT/pytest.log" | tail -30 ;;
     rgtests) timeout ${RGTESTS_TIMEOUT:-200} python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_request_graph.py \

@@ -340,3 +340,7 @@ def test_the_h200_diffusion_script_refuses_a_bad_plan_before_any_gpu_work(tmp_pa
     for why in ("ATELIER_FP8_CONV must be one of off, triton", ):
         assert why in wrong.stdout, (why, wrong.stdout)
     assert plan("envab", AB_ENV="ATELIER_FP8_CONV=triton", AB_EXTRA="fp9=1").stdout.count("unknown setting 'fp9=1'") == 1
+    # the pruning A/B part checks its model and dtype
+    assert plan("prune-ab", PRUNEAB_MODEL="sdxl", PRUNEAB_DTYPE="bf16").returncode == 0
+    badab = plan("prune-ab", PRUNEAB_MODEL="sd16", PRUNEAB_DTYPE="fp8")
+    assert badab.returncode == 2 and "no assets/diffusion_configs/sd16/unet/config.json" in badab.stdout, badab.stdout
