@@ -197,3 +197,7 @@ from pipelines.diffusion import _pipeline_class; _pipeline_class('sd')" 2> "$OUT
   esac
 done
 python3 -m bench.summary "$OUT"/*/bench.jsonl 2>/dev/null || true
+# each profiled row's kernel classes against their FLOPs and the run's measured rates (runs recorded with the FLOP split)
+# (older runs: the attention FLOPs from this call's sdpa table, when it made one)
+SDPA_ARG=(); [ -f "$OUT/sdpa.json" ] && SDPA_ARG=(--sdpa "$OUT/sdpa.json")
+for f in "$OUT"/*/bench.jsonl; do [ -f "$f" ] && python3 -m bench.gap "$f" "${SDPA_ARG[@]}" 2>/dev/null; done || true
