@@ -131,24 +131,26 @@ def _diffusers():
 
     # every path that imports diffusers comes through here: never alongside the studio's background import
     preload.wait()
-    with preload.lean_imports():
-        import diffusers        # imported on first use: it is slow to import and the StyleGAN path never needs it
-        _pipelines_imported(diffusers)
+    if not _STACK_IMPORTED:
+        _import_stack_once()
+    import diffusers            # imported on first use: it is slow to import and the StyleGAN path never needs it
+
     return diffusers
 
 
 _STACK_IMPORTED = False
 
 
-def _pipelines_imported(diffusers) -> None:
-    """Touch the pipeline classes once, inside lean_imports: diffusers' names are lazy, and transformers' model
-    modules (with the optional imports lean_imports leaves out) load when a pipeline class is first touched."""
+def _import_stack_once() -> None:
+    """The first import of diffusers and its pipeline classes, inside lean_imports: diffusers' names are lazy, and
+    transformers' model modules (with the optional imports lean_imports leaves out) load when a pipeline class is
+    first touched. Later calls import nothing and patch nothing."""
     global _STACK_IMPORTED
-    if not _STACK_IMPORTED:
-        from pipelines.preload import _import_diffusers_classes
+    from pipelines import preload
 
-        _import_diffusers_classes()
-        _STACK_IMPORTED = True
+    with preload.lean_imports():
+        preload._import_diffusers_classes()
+    _STACK_IMPORTED = True
 
 
 _FIXED_DEVICE_CLASSES: dict[type, type] = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 
@@ -39,8 +40,8 @@ def lean_imports():
     """Import the diffusion stack without the optional packages transformers would import for features the
     studio does not use (see the module's docstring). A no-op when turned off or when transformers' checks
     are not where this version of it keeps them."""
-    if os.environ.get(LEAN_ENV, "1").strip() == "0":
-        yield
+    if os.environ.get(LEAN_ENV, "1").strip() == "0" or "transformers.modeling_utils" in sys.modules:
+        yield                            # off, or the stack is already imported: nothing left to leave out
         return
     try:
         from transformers.utils import import_utils as iu

@@ -74,7 +74,9 @@ LEAN_CODE = (
     "cls = _pipeline_class('sd')\n"
     "from transformers.utils import import_utils as tiu\n"
     "from diffusers.utils import import_utils as diu\n"
-    "print(json.dumps({{'torchao': 'torchao' in sys.modules, 'sklearn': 'sklearn' in sys.modules,\n"
+    "with preload.lean_imports():\n"                 # the stack is imported: a later use patches nothing
+    "    inside = [bool(tiu.is_torchao_available()), bool(diu.is_torchao_available())]\n"
+    "print(json.dumps({{'torchao': 'torchao' in sys.modules, 'sklearn': 'sklearn' in sys.modules, 'inside': inside,\n"
     "                  'installed': importlib.util.find_spec('torchao') is not None,\n"
     "                  'transformers_says': bool(tiu.is_torchao_available()), 'diffusers_says': bool(diu.is_torchao_available()),\n"
     "                  'cls': cls.__name__}}))\n")
@@ -91,6 +93,7 @@ def test_the_stack_imports_without_the_optional_packages_the_studio_does_not_use
     assert got["cls"] == "StableDiffusionPipeline"
     assert got["torchao"] is False and got["sklearn"] is False
     assert got["transformers_says"] is True and got["diffusers_says"] is True
+    assert got["inside"] == [True, True]
 
 
 def test_lean_imports_off_imports_them_as_the_libraries_do():
