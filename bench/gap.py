@@ -120,7 +120,8 @@ def analyse(path: str, sdpa: dict | None = None, config: str | None = None) -> l
     gaps: list[Gap] = []
     seen_profile = False
     try:
-        lines = [json.loads(line) for line in open(path) if line.strip()]
+        with open(path) as fh:
+            lines = [json.loads(line) for line in fh if line.strip()]
     except (OSError, json.JSONDecodeError) as exc:
         raise GapError(f"cannot read {path} as bench JSON lines: {exc}") from exc
     for r in lines:

@@ -149,7 +149,7 @@ def _import_stack_once() -> None:
     from pipelines import preload
 
     with preload.lean_imports():
-        preload._import_diffusers_classes()
+        preload.import_diffusers_classes()
     _STACK_IMPORTED = True
 
 

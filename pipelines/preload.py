@@ -37,9 +37,9 @@ _lean_lock = threading.Lock()
 
 @contextlib.contextmanager
 def lean_imports():
-    """Import the diffusion stack without the optional packages transformers would import for features the
-    studio does not use (see the module's docstring). A no-op when turned off or when transformers' checks
-    are not where this version of it keeps them."""
+    """Import the diffusion stack without the optional packages transformers and diffusers would import for
+    features the studio does not use (see the module's docstring). A no-op when turned off, when the stack is
+    already imported, or when transformers' checks are not where this version of it keeps them."""
     if os.environ.get(LEAN_ENV, "1").strip() == "0" or "transformers.modeling_utils" in sys.modules:
         yield                            # off, or the stack is already imported: nothing left to leave out
         return
@@ -94,14 +94,15 @@ def _import_stack() -> None:
     t0 = time.perf_counter()
     try:
         with lean_imports():
-            _import_diffusers_classes()
+            import_diffusers_classes()
     except Exception as exc:          # the loader imports again on first use and reports its own error
         _state["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         _state["seconds"] = round(time.perf_counter() - t0, 3)
 
 
-def _import_diffusers_classes() -> None:
+def import_diffusers_classes() -> None:
+    """diffusers and the pipeline and model classes the studio loads (their modules import transformers')."""
     import diffusers
 
     # diffusers' top-level names are lazy: touching the classes imports their modules (and transformers')

@@ -20,16 +20,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def graphed_step_ms(unet, inputs, replays: int = 30, rounds: int = 5) -> list[float]:
-    """Median device ms of one UNet call per round, each round `replays` replays of one captured graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.no_grad():
-        for _ in range(3):
-            unet(**inputs)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
-        unet(**inputs)
+    """Device ms of one UNet call, one value per round; a round is `replays` replays of one captured call
+    (captured as bench.sdpa captures its attention calls: warm-up on a side stream, then the graph)."""
+    from bench.sdpa import _graph_of
+
+    dev = inputs["sample"].device
+    with torch.no_grad():
+        g = _graph_of(lambda: unet(**inputs), 1, dev)
+    if g is None:
+        raise RuntimeError("the UNet call could not be captured in a CUDA graph")
     out = []
     for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -50,6 +49,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    cfg_path = ROOT / "assets" / "diffusion_configs" / a.model / "unet" / "config.json"
+    if not cfg_path.is_file():
+        known = sorted(p.parent.parent.name for p in (ROOT / "assets" / "diffusion_configs").glob("*/unet/config.json"))
+        print(f"error: no UNet config for --model {a.model} (one of: {', '.join(known)})", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: this A/B times CUDA graphs and needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -61,7 +65,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     dtype = torch.float16 if a.dtype == "fp16" else torch.bfloat16
-    cfg = json.loads((ROOT / "assets" / "diffusion_configs" / a.model / "unet" / "config.json").read_text())
+    cfg = json.loads(cfg_path.read_text())
     torch.manual_seed(0)
     full = UNet2DConditionModel.from_config(cfg).eval().requires_grad_(False).to(dev)
     rows = []
@@ -72,6 +76,10 @@ def main() -> int:
                                                                              prune_method="structured"), dev,
                                       kind="diffusion")
             report = {k: rep["prune"].get(k) for k in ("applied", "reason", "params_after", "flops", "drift")}
+            if not report["applied"]:
+                print(f"{a.model} prune {amount:.2f}: not pruned: {report['reason']}", flush=True)
+                rows.append({"amount": amount, **report})
+                continue
         unet = copy.deepcopy(unet).to(dtype).to(memory_format=torch.channels_last)
         inputs = unet_probe_inputs(unet, dev, batch=2)
         ms = graphed_step_ms(unet, inputs)
