@@ -52,8 +52,9 @@ def first_image(paths: list[str]) -> None:
                 continue
             prep, first = r.get("prepare_s"), r.get("first_call_s")
             total = (prep or 0) + (first or 0)
+            second = f"; second call {num(r['second_call_s'])} s" if r.get("second_call_s") is not None else ""
             print(f"{r['workload']} {r['config']}: first image {total:.1f} s = prepare {num(prep)} s + first call "
-                  f"{num(first)} s; steady call {num(r.get('call_ms'))} ms")
+                  f"{num(first)} s{second}; steady call {num(r.get('call_ms'))} ms")
             if r.get("prepare_parts_s"):
                 print(f"    prepare: {json.dumps(r['prepare_parts_s'])}")
             if r.get("prepare_toggles_s"):

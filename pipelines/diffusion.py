@@ -1278,9 +1278,10 @@ class DiffusionPipeline:
                 return None
             if new:          # the shapes recorded so far, the latest last (a few: shapes are evicted past MAX_GRAPHS)
                 rep["recorded"] = (rep.get("recorded", []) + [_graph_key_str(key)])[-2 * rgraph.MAX_GRAPHS:]
-                if rec.record_s:       # where a first request's time went: warm-up passes, capture
-                    rep.setdefault("record_s", {})[_graph_key_str(key)] = dict(rec.record_s)
-            rec.load(ids_pos, ids_neg, noise, float(p.guidance))
+                if rec.record_s:       # where a first request's time went: warm-up passes, capture (the live
+                    rep.setdefault("record_s", {})[_graph_key_str(key)] = rec.record_s   # dict: a deferred one too)
+            else:                      # a new one was built with this request's inputs (its first pass may be it)
+                rec.load(ids_pos, ids_neg, noise, float(p.guidance))
             u8, raw, finite = rec.run()
             images = [Image.fromarray(u8[i], "RGB") for i in range(u8.shape[0])] if finite else []
         if not finite:          # the normal path has the NaN guard's fp32 retries and its messages

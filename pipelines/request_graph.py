@@ -51,6 +51,15 @@ def cudnn_benchmark_when_recording() -> bool:
     return os.environ.get(RECORD_CUDNN_BENCHMARK_ENV, "0").strip() == "1"
 
 
+# A first request whose parts are all AOT packages is served by record()'s first pass, run whole, and the graph
+# is captured on the shape's next request: "1" (default) or "0" (warm-up pass, capture and replay in the first call).
+DEFER_CAPTURE_ENV = "ATELIER_DEFER_CAPTURE"
+
+
+def defer_capture() -> bool:
+    return os.environ.get(DEFER_CAPTURE_ENV, "1").strip() != "0"
+
+
 MAX_GRAPHS = 4          # shapes kept recorded (each holds its activations' memory pool); least recently used goes
 
 
@@ -126,11 +135,16 @@ class RecordedRequest:
         self.record_s: dict = {}          # seconds of each warm-up pass and of the capture (record())
         self.graph: Any = None
         self.replays = 0
+        # the first pass (record()) ran this whole request on the AOT parts: run() hands its picture over once,
+        # and the graph is captured on the shape's next request (defer_capture)
+        self._served = False
+        self._whole_pass = False
 
     # -- inputs ----------------------------------------------------------------------------------------
     def load(self, ids_pos, ids_neg, noise: torch.Tensor, guidance: float) -> None:
         """Write one request's inputs into the static buffers (host staging, then one copy each). `ids_pos` /
         `ids_neg`: the token ids, or for SDXL a pair (first tokenizer's, second's); `ids_neg` None without CFG."""
+        self._served = False            # new inputs: the first pass's picture is not theirs
         pos = ids_pos if isinstance(ids_pos, (tuple, list)) else (ids_pos,)
         neg = ids_neg if isinstance(ids_neg, (tuple, list)) else (ids_neg,)
         for i, ids in enumerate(pos):
@@ -186,9 +200,11 @@ class RecordedRequest:
             time_ids = torch.cat([time_ids, time_ids])
         return pe, {"text_embeds": pooled, "time_ids": time_ids.repeat(b, 1)}
 
-    def _forward(self, unet_calls: int | None = None, stages: dict | None = None) -> None:
+    def _forward(self, unet_calls: int | None = None, stages: dict | None = None, whole_if_aot: bool = False) -> None:
         """The request, on the static buffers. `unet_calls` (a warm-up pass) stops the denoising loop after that
-        many UNet calls and goes on to the decode, so the pass meets every kernel of the full request sooner.
+        many UNet calls and goes on to the decode, so the pass meets every kernel of the full request sooner;
+        with `whole_if_aot` it runs every step anyway once an AOT package serves the UNet (nothing compiles, and
+        the pass's picture can serve the request: `_whole_pass` says whether it did).
         `stages` (a warm-up pass, never a capture) gets the seconds of each stage, the device synchronized at
         each boundary: text encoding, the first UNet call (with its scheduler step), the other UNet calls, the
         decode with its copies out; a second start's first call is mostly these first runs."""
@@ -212,13 +228,15 @@ class RecordedRequest:
             embeds, added = (torch.cat([self._embed(1), pos]) if key.cfg else pos), None
         latents = self.noise.to(embeds.dtype) * sched.init_noise_sigma
         stage("text")
+        whole, done = unet_calls is None, 0
         for n, (t_host, t_dev) in enumerate(zip(sched.timesteps, self._t_dev)):
-            if unet_calls is not None and n >= unet_calls:
+            if not whole and n >= unet_calls:
                 break
             x = torch.cat([latents] * 2) if key.cfg else latents
             x = sched.scale_model_input(x, t_host)
             part = self.aot.unet(unet, x, t_dev, embeds) if (self.aot is not None and not self.xl) else None
             if part is not None:
+                whole = whole or whole_if_aot
                 pred = part(x, t_dev, embeds)
             else:
                 pred = unet(x, t_dev, encoder_hidden_states=embeds, timestep_cond=None, cross_attention_kwargs=None,
@@ -227,7 +245,12 @@ class RecordedRequest:
                 uncond, text = pred.chunk(2)
                 pred = uncond + self.guidance * (text - uncond)
             latents = sched.step(pred, t_host, latents, **self._step_kwargs, return_dict=False)[0]
-            stage("unet_first" if n == 0 else "unet_rest")
+            done = n + 1
+            if n == 0:
+                stage("unet_first")
+        if done > 1:            # one synchronization for the rest of the loop: the launches overlap the device
+            stage("unet_rest")
+        self._whole_pass = done == len(self._t_dev)
         from pipelines import aot_parts
 
         with aot_parts.swapped_decoder(self.view.vae, None if self.xl else self.aot):
@@ -244,6 +267,11 @@ class RecordedRequest:
     def record(self) -> None:
         """Warm up (compiles what is compiled, autotunes) on a side stream, then record the graph.
 
+        When AOT packages serve the text encoder, the UNet and the VAE decoder, the first pass runs the whole
+        request (nothing compiles, so it is the request as the graph would replay it) and its picture serves
+        this request: the capture waits for the shape's next request (`defer_capture`), which takes a first
+        image on a second start from warm-up + capture + replay to one eager pass.
+
         cuDNN benchmarks its convolution algorithms during the warm-up when ATELIER_RECORD_CUDNN_BENCHMARK is "1"
         (cudnn.benchmark, for this block only): the graph then replays the fastest one it found for each of
         the VAE's and UNet's convolution shapes, where the heuristic pick serves otherwise. `record_s` gets the
@@ -257,6 +285,7 @@ class RecordedRequest:
         times["cudnn_benchmark"] = bench
         calls = warmup_unet_calls(len(self._t_host))
         times["unet_calls_per_warmup"] = calls
+        served = False
         with torch.no_grad(), self.runtime(), switches.scoped(cudnn_benchmark=bench):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -264,7 +293,7 @@ class RecordedRequest:
                 for i in range(2):
                     t0 = time.perf_counter()
                     stages: dict = {}
-                    self._forward(calls, stages=stages if i == 0 else None)
+                    self._forward(calls, stages=stages if i == 0 else None, whole_if_aot=i == 0 and defer_capture())
                     side.synchronize()
                     if i == 0:
                         times["first_pass_stages"] = stages     # (not warmup_*: a count of passes)
@@ -272,8 +301,22 @@ class RecordedRequest:
                     # settles what a first dynamo call can leave unsettled (a recompile on changed guards)
                     times[f"warmup_{i + 1}"] = round(time.perf_counter() - t0, 3)
                     if warmup_passes(self.aot, self.xl) == 1:
+                        served = i == 0 and self._whole_pass
                         break
             torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+        if served:       # the pass was this request, on the parts the graph would replay: its picture serves it
+            times["unet_calls_per_warmup"] = len(self._t_host)
+            times["capture"] = "deferred to the next request of this shape"
+            self._served = True
+            return
+        self._capture(bench)
+
+    def _capture(self, cudnn_benchmark: bool) -> None:
+        """Record the request into a CUDA graph (its parts already warm: loaded, compiled, tuned)."""
+        from pipelines import switches
+
+        with torch.no_grad(), self.runtime(), switches.scoped(cudnn_benchmark=cudnn_benchmark):
             torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
@@ -281,22 +324,28 @@ class RecordedRequest:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._forward()
         torch.cuda.synchronize(self.device)
-        times["capture"] = round(time.perf_counter() - t0, 3)
+        self.record_s["capture"] = round(time.perf_counter() - t0, 3)
         self.graph = graph
 
     def run(self) -> tuple[Any, Any, bool]:
         """Run the loaded request; returns (uint8 [N, H, W, 3], float32 [N, 3, H, W] in [0, 1], all finite).
         The uint8 array is a view of the pinned output buffer, valid until the next run (make the PIL images
-        from it at once: PIL copies); the float array is the caller's own."""
-        if self.graph is not None:
-            self.graph.replay()
-            torch.cuda.current_stream(self.device).synchronize()
+        from it at once: PIL copies); the float array is the caller's own. Right after a record() whose first
+        pass was this request, that pass's picture is returned as it is; a capture it deferred happens here."""
+        if self._served:            # record()'s first pass computed this very request (its inputs not reloaded)
+            self._served = False
         else:
-            with torch.no_grad(), self.runtime():
-                self._forward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        self.replays += 1
+            if self.graph is None and self.capture:
+                self._capture(cudnn_benchmark_when_recording())
+            if self.graph is not None:
+                self.graph.replay()
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                with torch.no_grad(), self.runtime():
+                    self._forward()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            self.replays += 1
         return self.u8_host.numpy(), self.raw_host.numpy().copy(), bool(self.finite_host)
 
 

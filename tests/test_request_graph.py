@@ -98,6 +98,15 @@ def test_a_short_warmup_pass_leaves_the_full_request_intact(pair, scheduler):
         # where the pass's time goes, stage by stage (record_s["first_pass_stages"] on a GPU)
         assert set(stages) == {"text", "unet_first", "unet_rest", "decode"}, stages
         assert all(isinstance(v, float) and v >= 0 for v in stages.values()) and stages["unet_first"] > 0
+        # asked to run whole, a pass without AOT packages still stops at the warm-up's calls (it compiles)
+        seen.clear()
+        with torch.no_grad():
+            rec._forward(calls, whole_if_aot=True)
+        assert len(seen) == calls and rec._whole_pass is False
+        seen.clear()
+        with torch.no_grad():
+            rec._forward()
+        assert len(seen) == len(rec._t_host) and rec._whole_pass is True
         seen.clear()
         got = _gen(recorded, prompt="a blue house", seed=4, **kw)
         assert len(seen) == len(rec._t_host)        # the recorded request: every step
@@ -253,6 +262,14 @@ def test_aot_parts_compile_once_and_a_second_start_loads_them(tiny_sd_sdxl, tmp_
         np.testing.assert_allclose(got.raw, want.raw, rtol=0, atol=1e-4)
         reports.append(rep)
         aot = getattr(sd, "_aot", None)
+        if env in ("", "0") and len(reports) >= 3:
+            # a first pass asked to run whole once a package serves the UNet (record() on a GPU, whose picture
+            # then serves the request): all three steps with the packages, the warm-up's one call without
+            _gen(sd, steps=3, guidance=0.0)
+            rec = next(r for k, r in sd._graphs.graphs.items() if k.steps == 3)
+            with torch.no_grad():
+                rec._forward(1, whole_if_aot=True)
+            assert rec._whole_pass is (env == ""), (env, aot and aot._parts)
         if env in ("", "1"):   # the recording's warm-up: one pass once packages serve every part, else two
             served = env == "1" or len(reports) == 3
             assert aot is not None and aot.serves_all() is served, (env, aot and aot._parts)
@@ -292,6 +309,8 @@ def test_gpu_aot_parts_recorded_and_loaded_on_a_second_start(tiny_sd_sdxl, tmp_p
     folder = str(tiny_sd_sdxl["sd"])
     want = _gen(DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(precision="fp16"), cuda),
                 steps=2, guidance=5.0, scheduler="euler")
+    want2 = _gen(DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(precision="fp16"), cuda),
+                 prompt="a blue house", seed=7, steps=5, guidance=5.0, scheduler="euler")
     entries = []
     for start in range(2):
         sd = DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(precision="fp16", request_graph=True),
@@ -302,9 +321,26 @@ def test_gpu_aot_parts_recorded_and_loaded_on_a_second_start(tiny_sd_sdxl, tmp_p
         assert float(np.abs(got.raw - want.raw).max()) < 2e-2
         entries.append(rep["aot"])
         passes = [k for (label, times) in rep["record_s"].items() for k in times if k.startswith("warmup_")]
-        # one warm-up pass before the capture once the packages serve every part (the first start built them
-        # during its first pass, so the check comes after it and finds them too)
+        # one warm-up pass once the packages serve every part (the first start built them during its first pass,
+        # so the check comes after it and finds them too)
         assert passes == ["warmup_1"], rep["record_s"]
+        # that pass ran the whole request on the packages and its picture served it; no graph yet (deferred)
+        (times,) = rep["record_s"].values()
+        assert str(times["capture"]).startswith("deferred") and times["unet_calls_per_warmup"] == 2, times
+        (rec,) = sd._graphs.graphs.values()
+        assert rec.graph is None and rec.replays == 0
+        # the shape's next request records the graph, then replays it: that request's own picture
+        got = _gen(sd, steps=2, guidance=5.0, scheduler="euler", prompt="a blue house", seed=7)
+        assert rec.graph is not None and rec.replays == 1 and isinstance(times["capture"], float), times
+        ref = _gen(DiffusionPipeline(load_diffusion(folder, device=cuda), OptimizationFlags(precision="fp16"), cuda),
+                   prompt="a blue house", seed=7, steps=2, guidance=5.0, scheduler="euler")
+        assert float(np.abs(got.raw - ref.raw).max()) < 2e-2
+        # a longer request: its first pass runs all five steps (the warm-up's three-call cut does not apply)
+        got5 = _gen(sd, prompt="a blue house", seed=7, steps=5, guidance=5.0, scheduler="euler")
+        times5 = got5.optimizations["request_graph"]["record_s"][next(k for k in got5.optimizations["request_graph"]
+                                                                    ["record_s"] if "5 steps" in k)]
+        assert times5["unet_calls_per_warmup"] == 5 and str(times5["capture"]).startswith("deferred"), times5
+        assert float(np.abs(got5.raw - want2.raw).max()) < 2e-2
     assert all("compiled_s" in e and "failed" not in e for e in entries[0].values()), entries[0]
     assert all(e.get("loaded_from_cache") for e in entries[1].values()), entries[1]
     # CUDA packages through AOTInductor's loader class, without the public loader's ISA probe (41-49 s on the H200)
