@@ -203,8 +203,8 @@ class RecordedRequest:
     def _forward(self, unet_calls: int | None = None, stages: dict | None = None, whole_if_aot: bool = False) -> None:
         """The request, on the static buffers. `unet_calls` (a warm-up pass) stops the denoising loop after that
         many UNet calls and goes on to the decode, so the pass meets every kernel of the full request sooner;
-        with `whole_if_aot` it runs every step anyway once an AOT package serves the UNet (nothing compiles, and
-        the pass's picture can serve the request: `_whole_pass` says whether it did).
+        with `whole_if_aot` it runs every step anyway once AOT packages serve the text encoder and the UNet (nothing
+        compiles, and the pass's picture can serve the request: `_whole_pass` says whether it did).
         `stages` (a warm-up pass, never a capture) gets the seconds of each stage, the device synchronized at
         each boundary: text encoding, the first UNet call (with its scheduler step), the other UNet calls, the
         decode with its copies out; a second start's first call is mostly these first runs."""
@@ -236,7 +236,9 @@ class RecordedRequest:
             x = sched.scale_model_input(x, t_host)
             part = self.aot.unet(unet, x, t_dev, embeds) if (self.aot is not None and not self.xl) else None
             if part is not None:
-                whole = whole or whole_if_aot
+                # the text encoder has been asked for its package by now (the decoder's comes after the loop): a
+                # pass whose picture cannot serve the request anyway (warmup_passes 2) stops at the warm-up's calls
+                whole = whole or (whole_if_aot and self.aot.serves_all(("text_encoder", "unet")))
                 pred = part(x, t_dev, embeds)
             else:
                 pred = unet(x, t_dev, encoder_hidden_states=embeds, timestep_cond=None, cross_attention_kwargs=None,
