@@ -43,11 +43,14 @@ def test_fast_path_trains_saves_and_resumes(tmp_path, precision, where):
         assert torch.isfinite(p).all()
 
 
-def test_inner_loop_never_waits_for_the_gpu(tmp_path):
-    """No host synchronisation inside iterations (bf16, data on the GPU): CUDA's sync debug mode raises."""
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_inner_loop_never_waits_for_the_gpu(tmp_path, compile_):
+    """No host synchronisation inside iterations (bf16, data on the GPU): CUDA's sync debug mode raises.
+    Compiled: the default scope, with G's no-grad pass and the augmentation inside the compiled graphs."""
     cfg = build_config("emoji64", data=_data(tmp_path), out=str(tmp_path / "s"), kimg=10, batch=32,
-                       progress=False, r1_interval=2, pl_interval=2, ada_interval=1)
+                       progress=False, r1_interval=2, pl_interval=2, ada_interval=1, compile=compile_)
     tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
+    assert tr.fused_augment == compile_
     for _ in range(3):              # warm-up: cuDNN autotuning and lazy initialisation may sync
         tr.iteration()
     torch.cuda.synchronize()

@@ -16,7 +16,9 @@ change at a time so each one's share is visible:
                 default configuration
   fast-ops-nc1  the same with the FIR blurs as 1-channel convs on an [N*C, 1, H, W] view
   batch-x2/x4   fast-ops at 2x / 4x the batch (same learning rate)
-  compile       + torch.compile of the main forward passes (only with with_compile)
+  compile       + torch.compile of the main forward passes, with G's no-grad pass and the augmentation
+                inside the compiled graphs (compile scope "full"; only with with_compile)
+  compile-nets  compile of the network passes only (scope "nets": the trainer before 2026-12-06)
   compile-x2    compile at 2x the batch (only with with_compile)
 
 The training algorithm (losses, lazy R1/PL intervals, ADA, EMA) is identical in all
@@ -50,10 +52,12 @@ LADDER = {
     "batch-x2": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", _batch_mult=2),
     "batch-x4": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", _batch_mult=4),
     "compile": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", compile=True),
+    "compile-nets": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", compile=True,
+                         compile_scope="nets"),
     "compile-x2": dict(precision="bf16", channels_last=True, data_device="auto", kernels="auto", compile=True,
                        _batch_mult=2),
 }
-OPTIONAL = ("compile", "compile-x2")    # only with with_compile (its first compilation takes minutes)
+OPTIONAL = ("compile", "compile-nets", "compile-x2")    # only with with_compile (its first compilation takes minutes)
 
 
 def _measure(cfg: TrainConfig, data, seconds: float, warmup_seconds: float, sync: bool, log) -> dict[str, Any]:

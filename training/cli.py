@@ -18,7 +18,7 @@ import sys
 import time
 
 from core.errors import AtelierError, InputError
-from training.config import AUG_MODES, AUG_PIPES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, build_config
+from training.config import AUG_MODES, AUG_PIPES, COMPILE_SCOPES, LOSSES, OPTIMIZERS, PRECISIONS, PRESETS, build_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-tf32", dest="tf32", action="store_false", default=None)
     a("--no-channels-last", dest="channels_last", action="store_false", default=None)
     a("--compile", action="store_true", default=None, help="torch.compile the forward passes (slow first start)")
+    a("--compile-scope", choices=COMPILE_SCOPES, default=None,
+      help="with --compile: full (default) also compiles G's no-grad pass of the D step and runs the augmentation "
+           "inside D's compiled graphs (fewer kernel launches and host work per step); nets compiles the network "
+           "passes only (the trainer before 2026-12-06)")
+    a("--init-g", default=None, metavar="FILE",
+      help="start a new run's G and G_ema from this exported generator (.safetensors with its .json: a G_ema "
+           "snapshot or a studio model of the same network); D starts fresh, counters continue from its kimg")
+    a("--freeze-g-kimg", type=float, default=None, metavar="N",
+      help="train D alone for the run's first N kimg (G and G_ema fixed), so a fresh D catches up with a trained G "
+           "(--init-g) before G learns from it")
     a("--cbase", type=int, default=None, help="channel base of G and D (channels = min(cbase / res, cmax))")
     a("--cmax", type=int, default=None, help="most channels of any layer of G and D")
     a("--cond", default=None, metavar="KEY",
@@ -113,7 +123,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
-                 "cond", "labels")
+                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg")
 
 
 def retune_from_args(args: argparse.Namespace) -> dict | None:

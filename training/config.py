@@ -24,6 +24,7 @@ OPTIMIZERS = ("stylegan2", "wgan-gp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUG_MODES = ("ada", "fixed", "none")
 AUG_PIPES = ("blit", "geom", "color", "bg", "bgc", "bgcc", "upright")
+COMPILE_SCOPES = ("full", "nets")
 # Settings that once existed and no longer do anything. Accepted (and dropped) so old checkpoints'
 # state.json and old scripts still load: `dali` chose NVIDIA DALI for decoding image folders, which
 # was removed (folders are decoded once with Pillow and cached; see training/dataset.py).
@@ -99,10 +100,18 @@ class TrainConfig:
     tf32: bool = True                       # TF32 matmuls/convs when precision is fp32
     channels_last: bool = True
     compile: bool = False                   # torch.compile the main forward passes (first compile: minutes)
+    compile_scope: str = "full"             # with compile: full = also G's no-grad pass of the D step and the
+                                            # augmentation inside D's graphs | nets = the network passes only
     kernels: str = "auto"                   # op formulations (models.ops knobs): auto | reference | knob:choice/...
     grad_checkpointing: bool = False        # recompute activations in backward (memory for speed)
     data_device: str = "auto"               # auto | gpu | host: where the uint8 dataset lives
     device: str | None = None               # None = cuda when available (per-rank under torchrun)
+
+    # -- starting point ------------------------------------------------------------------------------
+    init_g: str = ""                        # a new run's G and G_ema start from this exported generator (a
+                                            # G_ema snapshot or a studio model); D starts fresh
+    freeze_g_kimg: float = 0.0              # the first N kimg of the run train D alone (G and G_ema fixed): a
+                                            # fresh D catches up with a trained G before G learns from it
 
     # -- outputs -------------------------------------------------------------------------------------
     log_every: int = 100                    # iterations between log lines (the only host syncs)
@@ -274,6 +283,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.cmax <= 4096 and cfg.cbase <= 2**20,
          f"--cmax {cfg.cmax} / --cbase {cfg.cbase} are beyond any StyleGAN configuration (cmax <= 4096)")
     need(cfg.kimg > 0, f"--kimg must be positive; got {cfg.kimg}")
+    need(cfg.compile_scope in COMPILE_SCOPES,
+         f"--compile-scope must be one of {', '.join(COMPILE_SCOPES)}; got {cfg.compile_scope!r}")
+    need(cfg.freeze_g_kimg >= 0, f"--freeze-g-kimg must be 0 or more; got {cfg.freeze_g_kimg}")
     if cfg.cond and not cfg.labels:
         from training.dataset import nvlabs_labels_source
         from training.trainer import resolve_data_path

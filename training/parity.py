@@ -123,16 +123,21 @@ def path_parity(trainer, batch: int = 16, seed: int = 0) -> dict[str, Any]:
     # sides compute the same image (restored after).
     strengths = [p for n, p in tr.G.named_parameters() if n.endswith("noise_strength")]
     saved = [p.detach().clone() for p in strengths]
+    aug = tr.aug
     try:
         with torch.no_grad():
             for p in strengths:
                 p.zero_()
         Gr, Dr = _reference_copy(tr.G), _reference_copy(tr.D)
-        # the fast side: the trainer's own callables, op scope and autocast
+        # the fast side: the trainer's own callables, op scope and autocast. With the augmentation inside D's
+        # compiled graphs (tr.fused_augment) it is switched off for the comparison: the callables then see
+        # aug None (a recompile) and compute D alone, as the reference does.
+        tr.aug = None
         with tr._scope():
             fast = _run(tr.G, tr.D, lambda z_, c_: tr.G_train(z_, c_)[0], tr.D_train, tr.D_frozen, tr.D_reg,
                         tr._autocast, z, c, dc, real, tr.channels_last)
     finally:
+        tr.aug = aug
         with torch.no_grad():
             for p, v in zip(strengths, saved):
                 p.copy_(v)

@@ -59,7 +59,7 @@ from training.monitor import CollapseMonitor
 RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
                       "progress", "device", "data", "data_device", "compile", "precision", "tf32",
                       "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
-                      "snapshot_ema", "labels")
+                      "snapshot_ema", "labels", "compile_scope")
 # Settings of the training recipe (not of the networks) that a resumed run changes only when asked to
 # (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
@@ -215,6 +215,9 @@ class Trainer:
         self.retuned: dict[str, tuple[Any, Any]] = {}
         if retune and resume is None:
             raise InputError("--retune changes the recipe of a resumed run; give --resume RUN with it")
+        if resume is not None and cfg.init_g:
+            raise InputError("--init-g starts a new run from a generator; a resumed run already has its G: "
+                             "give --resume RUN or --init-g FILE, not both")
         if resume is not None:
             resume_doc = ckpt.read_state(resume)
             cfg = self._merge_resume_config(resume_doc["config"], cfg, given)
@@ -296,10 +299,24 @@ class Trainer:
         # support: they always run the eager modules.
         self.G_reg = self.G_train
         self.D_reg = self.D_train
+        # The D step's images (no gradients; the unwrapped G: nothing for DDP to reduce).
+        self.G_fake = self.G_step
+        # "full" scope: the augmentation runs inside D's compiled graphs and G's no-grad pass is compiled too.
+        # Eagerly those are ~1,500 small kernel launches per iteration (about 860 for the three augmentations,
+        # 620 for G), which at 64x64 cost more host time than the GPU spends on them. Not under DDP, whose
+        # compiled graphs are split at its gradient buckets; not for WGAN-GP, whose penalty needs the
+        # augmented images themselves.
+        self.fused_augment = cfg.compile and cfg.compile_scope == "full" and not self.dist.enabled \
+            and cfg.loss == "r1"
         if cfg.compile:
             self.G_train = torch.compile(self.G_train)
-            self.D_train = torch.compile(self.D_train)
-            self.D_frozen = torch.compile(self.D_frozen)
+            if self.fused_augment:
+                self.G_fake = torch.compile(self.G_step)
+                self.D_train = torch.compile(self._augmented(self.D_train))
+                self.D_frozen = torch.compile(self._augmented(self.D_frozen))
+            else:
+                self.D_train = torch.compile(self.D_train)
+                self.D_frozen = torch.compile(self.D_frozen)
 
         # -- optimizers --------------------------------------------------------------------------
         self.opt_G, self.opt_D = self._build_optimizers()
@@ -322,6 +339,7 @@ class Trainer:
             self._set_d_dropout(cfg.d_dropout)
 
         # -- counters ------------------------------------------------------------------------------
+        self.freeze_until_nimg = 0   # D-only iterations while cur_nimg is below this (--freeze-g-kimg)
         self.step = 0            # iterations done
         self.cur_nimg = 0        # real images shown to D
         self.d_updates = 0
@@ -331,13 +349,21 @@ class Trainer:
         self.sync_every_step = False   # the benchmark's plain baseline reads losses every step
         self.c_empty = torch.zeros(self.batch_gpu, 0, device=self.device)
 
+        self.init_record = None
         if resume_doc is not None:
             self._load(resume)
+        else:
+            if cfg.init_g:
+                self.init_record = self._init_from_generator(cfg.init_g)
+            # D alone until here (G and G_ema fixed); a resumed run reads it from its state
+            self.freeze_until_nimg = self.cur_nimg + int(round(cfg.freeze_g_kimg * 1000))
         self.out = Path(cfg.out)
         if self.is_main and self.write_outputs:
             self.out.mkdir(parents=True, exist_ok=True)
             if resume is not None:
                 self._carry_log(Path(resume))
+            if self.init_record is not None:
+                self._append_log(self.init_record)
             if self.retuned:
                 self._append_log({"kind": "retune", "kimg": round(self.cur_nimg / 1000, 3),
                                   "changed": {k: {"from": a, "to": b} for k, (a, b) in self.retuned.items()}})
@@ -346,6 +372,44 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------
     # construction helpers
+
+    def _init_from_generator(self, path: str | Path) -> dict:
+        """G and G_ema <- an exported generator's weights (fp16 files are widened to fp32); the counters
+        continue from its kimg and step, so snapshots, the log and EMA's ramp-up read as G's whole training.
+        Returns the log record naming the source."""
+        from models.stylegan import load_generator
+        from models.stylegan2 import load_state_strict
+
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"--init-g {path}: no such file (give an exported generator, e.g. "
+                             "assets/models/emoji64.safetensors or RUN/snapshots/G_ema-003400kimg.safetensors)")
+        loaded = load_generator(path, device="cpu")
+        meta = dict(loaded.config.get("metadata") or {})
+        training_meta = meta.get("training") or {}
+        want = loaded.config.get("init_kwargs") or {}
+        if int(want.get("c_dim", 0) or 0) != int(self.cfg.c_dim):
+            raise InputError(f"--init-g {path.name} has {int(want.get('c_dim', 0) or 0)} classes, this run's G has "
+                             f"{self.cfg.c_dim}: train with the same --cond (and --labels) as the generator")
+        classes = (meta.get("classes") or {}).get("names")
+        if self.cfg.c_dim and classes and list(classes) != list(self.class_names):
+            raise InputError(f"--init-g {path.name} was trained on other class names than this run's labels "
+                             f"({self.cfg.cond}): its class i would mean another class here")
+        sd = {k: v.to(torch.float32) for k, v in loaded.G.state_dict().items()}
+        for net, what in ((self.G, "G"), (self.G_ema, "G_ema")):
+            load_state_strict(net, sd, f"{what} from --init-g {path.name} (give this run the generator's network: "
+                                       f"--cbase/--cmax/--cond as it was trained)")
+        kimg = meta.get("kimg", training_meta.get("kimg"))
+        kimg = float(kimg) if kimg is not None else 0.0
+        self.cur_nimg = int(round(kimg * 1000))
+        step = meta.get("step", training_meta.get("step"))
+        self.step = int(step) if step is not None else self.cur_nimg // self.cfg.batch
+        self.d_updates = self.g_updates = self.step
+        self.train_seconds = float(meta.get("train_seconds", training_meta.get("train_seconds", 0.0)) or 0.0)
+        self.say(f"[init] G and G_ema from {path} ({kimg:g} kimg); D starts fresh"
+                 + (f", alone for {self.cfg.freeze_g_kimg:g} kimg" if self.cfg.freeze_g_kimg else ""))
+        return {"kind": "init_g", "kimg": round(kimg, 3), "from": str(path), "sha256": loaded.sha256,
+                "freeze_g_kimg": self.cfg.freeze_g_kimg}
 
     @staticmethod
     def _merge_resume_config(saved: dict, requested: TrainConfig, given: set[str] | frozenset = frozenset()
@@ -446,6 +510,13 @@ class Trainer:
     def _augment(self, x: torch.Tensor) -> torch.Tensor:
         return self.aug(x) if self.aug is not None else x
 
+    def _augmented(self, d: Callable) -> Callable:
+        """x, *c -> d(augment(x), *c): D with the augmentation in front, as one function to compile (it reads
+        self.aug at each call, so a counter-measure that switches augmentation on is seen, by a recompile)."""
+        def augmented_d(x, *c):
+            return d(self._augment(x), *c)
+        return augmented_d
+
     def _backward(self, loss: torch.Tensor, scaler) -> None:
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
@@ -479,21 +550,21 @@ class Trainer:
         z = torch.randn(b, self.G.z_dim, device=self.device)
         gen_c = self._gen_c(b)
         with torch.no_grad(), self._autocast():
-            fake = self.G_step(z, gen_c, update_emas=True)[0]
+            fake = self.G_fake(z, gen_c, update_emas=True)[0]
         if self.channels_last:
             fake = fake.contiguous(memory_format=torch.channels_last)
         self.opt_D.zero_grad(set_to_none=True)
         wgan = cfg.loss == "wgan-gp"
         with dist_utils.no_sync(self.D_train):
             with self._autocast():
-                fake_aug = self._augment(fake)
+                fake_aug = fake if self.fused_augment else self._augment(fake)
                 fake_logits = self.D_train(fake_aug, *self._dc(gen_c))
             loss_fake = losses.wgan_d_fake(fake_logits) if wgan else losses.logistic_d_fake(fake_logits)
             self._backward(loss_fake.mean(), self.scaler_D)
         sync_ctx = dist_utils.no_sync(self.D_train) if wgan else nullcontext()
         with sync_ctx:
             with self._autocast():
-                real_aug = self._augment(real)
+                real_aug = real if self.fused_augment else self._augment(real)
                 real_logits = self.D_train(real_aug, *self._dc(real_c))
             loss_real = losses.wgan_d_real(real_logits, cfg.gp_drift) if wgan else losses.logistic_d_real(real_logits)
             self._backward(loss_real.mean(), self.scaler_D)
@@ -545,7 +616,7 @@ class Trainer:
             img, _ = self.G_train(z, gen_c)
             if self.channels_last:
                 img = img.contiguous(memory_format=torch.channels_last)
-            logits = self.D_frozen(self._augment(img), *self._dc(gen_c))
+            logits = self.D_frozen(img if self.fused_augment else self._augment(img), *self._dc(gen_c))
         loss = losses.wgan_g(logits) if cfg.loss == "wgan-gp" else losses.logistic_g(logits)
         self._backward(loss.mean(), self.scaler_G)
         self._opt_step(self.opt_G, self.scaler_G)
@@ -594,6 +665,7 @@ class Trainer:
         cfg = self.cfg
         # All randomness of this iteration derives from (seed, rank, step): exact resume.
         torch.manual_seed(_mix(cfg.seed, self.dist.rank, self.step))
+        g_frozen = self.cur_nimg < self.freeze_until_nimg      # --freeze-g-kimg: D catches up alone
         for _ in range(self.runtime["d_steps"]):
             real_u8, labels = self.loader.next_labeled()
             real = to_float(real_u8, self.channels_last)
@@ -603,12 +675,14 @@ class Trainer:
             if cfg.loss == "r1" and cfg.r1_interval > 0 and self.d_updates % cfg.r1_interval == 0:
                 self._d_r1_step(real, real_c)
             self.cur_nimg += cfg.batch
-        self._g_step()
-        self.g_updates += 1
-        if cfg.pl_weight > 0 and self.g_updates % cfg.pl_interval == 0:
-            self._g_pl_step()
+        if not g_frozen:
+            self._g_step()
+            self.g_updates += 1
+            if cfg.pl_weight > 0 and self.g_updates % cfg.pl_interval == 0:
+                self._g_pl_step()
         self.step += 1
-        self._update_ema()
+        if not g_frozen:
+            self._update_ema()
         if self.ada is not None and self.step % cfg.ada_interval == 0:
             self.ada.update(dist_utils.all_reduce_sum if self.dist.enabled else None)
         if self.sync_every_step:
@@ -723,6 +797,7 @@ class Trainer:
         return {
             "config": self.cfg.to_dict(),
             "step": self.step, "cur_nimg": self.cur_nimg, "kimg": self.cur_nimg / 1000,
+            "freeze_until_nimg": self.freeze_until_nimg,
             "d_updates": self.d_updates, "g_updates": self.g_updates,
             "train_seconds": self.train_seconds, "pieces": self.pieces,
             "sampler": self.loader.state_dict(),
@@ -804,6 +879,7 @@ class Trainer:
                     group["lr"], group["betas"] = lr, betas
         self.step = int(doc["step"])
         self.cur_nimg = int(doc["cur_nimg"])
+        self.freeze_until_nimg = int(doc.get("freeze_until_nimg", 0))
         self.d_updates = int(doc["d_updates"])
         self.g_updates = int(doc["g_updates"])
         self.train_seconds = float(doc.get("train_seconds", 0.0))
@@ -852,7 +928,11 @@ class Trainer:
                 f"lr G {cfg.lr_g:g} D {cfg.lr_d:g}, loss {cfg.loss}, D:G {self.runtime['d_steps']}:1, "
                 f"R1 gamma {cfg.r1_gamma_value():g}, EMA {cfg.ema_kimg_value():g} kimg, precision {cfg.precision}, "
                 f"channels_last {self.channels_last}, compile {cfg.compile}, kernels {self.kernels_note}, "
-                f"aug {cfg.aug}/{cfg.aug_pipe}")
+                f"aug {cfg.aug}/{cfg.aug_pipe}"
+                + (f", compile scope {cfg.compile_scope} (augmentation {'inside' if self.fused_augment else 'outside'} "
+                   f"D's graphs)" if cfg.compile else "")
+                + (f"; D alone until kimg {self.freeze_until_nimg / 1000:g}" if self.cur_nimg < self.freeze_until_nimg
+                   else ""))
 
     def run(self) -> dict[str, Any]:
         """Train until `kimg` or the wall-clock budget; save; return a summary."""
@@ -1002,6 +1082,7 @@ class Trainer:
             "aug_p": float(self.aug.p) if self.aug is not None else 0.0,
             "ada_rt": float(self.ada.last_rt) if self.ada is not None else None,
             "pl_mean": float(self.pl_mean), "d_steps": self.runtime["d_steps"], "mem_gib": round(mem, 3),
+            **({"g_frozen": True} if self.cur_nimg <= self.freeze_until_nimg else {}),
         }
 
 
