@@ -80,6 +80,21 @@ def test_freeze_g_trains_d_alone_then_g_and_resume_keeps_the_boundary(source, tm
     assert any(not torch.equal(g[k], snap_sd[k].float()) for k in g if not k.endswith("w_avg"))
 
 
+def test_export_of_an_init_g_run_names_where_g_started(source, tmp_path):
+    from training.export import export_run
+
+    out = tmp_path / "run"
+    start_kimg = source["meta"]["metadata"]["kimg"]
+    assert cli.main(["--config", "tiny", "--data", str(source["data"]), "--out", str(out), "--device", "cpu",
+                     "--no-progress", "--batch", "8", "--init-g", str(source["snap"]), "--freeze-g-kimg", "0.016",
+                     "--kimg", f"{start_kimg + 0.032:.3f}"]) == 0
+    paths = export_run(out, tmp_path / "m" / "cont")
+    meta = json.loads(paths["config"].read_text())["metadata"]["training"]
+    assert meta["init_g"] == {"from": str(source["snap"]), "freeze_g_kimg": 0.016, "kimg": pytest.approx(start_kimg)}
+    card = paths["card"].read_text()
+    assert f"started from `{source['snap']}`" in card and "alone for its first 0.016 kimg" in card
+
+
 def test_init_g_refusals(source, tmp_path):
     with pytest.raises(InputError, match="no such file"):
         Trainer(tiny_cfg(source["data"], tmp_path / "a", 1.0, init_g=str(tmp_path / "none.safetensors"), batch=8),

@@ -167,6 +167,10 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
         "monitor": _monitor_summary(doc),
         "recommended_truncation": psi,
     }
+    if cfg.init_g:
+        # a run started from another generator (--init-g): where G's first kimg came from
+        meta["training"]["init_g"] = {"from": cfg.init_g, "freeze_g_kimg": cfg.freeze_g_kimg,
+                                      "kimg": _init_kimg(run)}
     if doc.get("classes"):
         meta["classes"] = doc["classes"]        # {"key": "group", "names": [...]}: class index -> name
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
@@ -193,6 +197,21 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
     card.write_text(model_card(cfg, doc, meta, data_meta, size, grid_path, name=to.stem))
     paths["card"] = card
     return paths
+
+
+def _init_kimg(run: Path) -> float | None:
+    """The kimg of the generator an --init-g run started from (its log's init_g record), or None."""
+    log = run / "log.jsonl"
+    if not log.is_file():
+        return None
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "init_g":
+            return rec.get("kimg")
+    return None
 
 
 def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: int, grid_path,
@@ -234,6 +253,12 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
         f"precision {cfg.precision}.",
         f"- Generator: {t['params_G'] / 1e6:.2f} M parameters; shipped as fp16 safetensors, {size / 2**20:.1f} MiB.",
     ]
+    if t.get("init_g"):
+        ig = t["init_g"]
+        lines += [f"- G and G_ema started from `{ig['from']}`"
+                  + (f" ({ig['kimg']:.0f} kimg, counted above)" if ig.get("kimg") is not None else "")
+                  + "; D trained from scratch" + (f", alone for its first {ig['freeze_g_kimg']:g} kimg"
+                                                  if ig.get("freeze_g_kimg") else "") + " (`--init-g`)."]
     if doc.get("exported_snapshot"):
         lines += [f"- Exported from the run's G_ema snapshot at {t['kimg']:.0f} kimg (`--snapshot`); the recipe "
                   "above is the run's at that point (its retunes from log.jsonl applied)."]
