@@ -32,14 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 def warm_start(state: str | Path, g_ema: str | Path, out: str | Path, log: str | Path | None = None,
                device: str = "cpu") -> dict:
-    import torch
-
     from core.errors import InputError
-    from models.stylegan import load_generator
     from models.stylegan2 import load_state_strict
     from training import checkpoint as ckpt
     from training.config import TrainConfig
-    from training.export import snapshot_doc
+    from training.export import exported_generator, snapshot_doc
     from training.runs import LogTail
     from training.trainer import RESUME_RETUNABLE, Trainer
 
@@ -50,12 +47,8 @@ def warm_start(state: str | Path, g_ema: str | Path, out: str | Path, log: str |
         raise InputError(f"no log at {log}: give --log, the log.jsonl of the run the snapshot came from")
     if out.resolve() == state.resolve():
         raise InputError("--out must be a new folder: the older state is read while the new one is written")
-    loaded = load_generator(g_ema, device="cpu")
-    meta = dict(loaded.config.get("metadata") or {})
-    # a snapshot's metadata has kimg, step, train_seconds; an exported model's has them under "training"
-    for k in ("kimg", "step", "train_seconds"):
-        if meta.get(k) is None and (meta.get("training") or {}).get(k) is not None:
-            meta[k] = meta["training"][k]
+    loaded, sd, progress = exported_generator(g_ema)
+    meta = {**(loaded.config.get("metadata") or {}), **{k: v for k, v in progress.items() if v is not None}}
     if meta.get("kimg") is None:
         raise InputError(f"{g_ema.name} has no kimg in its metadata: use a G_ema snapshot a run wrote "
                          "(RUN/snapshots/G_ema-*kimg.safetensors) or a model exported from one")
@@ -79,7 +72,6 @@ def warm_start(state: str | Path, g_ema: str | Path, out: str | Path, log: str |
                                      "progress": False})
         tr = Trainer(cfg, resume=view, retune=retune or None, given={"out", "device", "compile", "progress"},
                      log=print)
-        sd = {k: v.to(torch.float32) for k, v in loaded.G.state_dict().items()}
         for net, what in ((tr.G, "G"), (tr.G_ema, "G_ema")):
             load_state_strict(net, sd, f"{what} from {g_ema.name} (the state's network must match the snapshot's)")
         steps = meta.get("step")

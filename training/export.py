@@ -120,6 +120,20 @@ def snapshot_doc(run: Path, snap_meta: dict) -> dict:
     return out
 
 
+def exported_generator(path: str | Path):
+    """(loaded generator, its weights in fp32, its progress {kimg, step, train_seconds}: None where unknown) of
+    an exported generator or G_ema snapshot: what a run that starts from one (--init-g, a warm start) needs. A
+    snapshot's metadata has the progress at the top; an exported model's has it under "training"."""
+    from models.stylegan import load_generator
+
+    loaded = load_generator(path, device="cpu")
+    meta = loaded.config.get("metadata") or {}
+    nested = meta.get("training") or {}
+    progress = {k: meta.get(k, nested.get(k)) for k in ("kimg", "step", "train_seconds")}
+    weights = {k: v.to(torch.float32) for k, v in loaded.G.state_dict().items()}
+    return loaded, weights, progress
+
+
 def _load_snapshot(run: Path, snapshot: str | Path) -> tuple[torch.nn.Module, dict]:
     from models.stylegan import load_generator
 
@@ -201,17 +215,9 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
 
 def _init_kimg(run: Path) -> float | None:
     """The kimg of the generator an --init-g run started from (its log's init_g record), or None."""
-    log = run / "log.jsonl"
-    if not log.is_file():
-        return None
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("kind") == "init_g":
-            return rec.get("kimg")
-    return None
+    from training.runs import LogTail
+
+    return next((r.get("kimg") for r in LogTail(run / "log.jsonl").read() if r.get("kind") == "init_g"), None)
 
 
 def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: int, grid_path,

@@ -340,6 +340,7 @@ class Trainer:
 
         # -- counters ------------------------------------------------------------------------------
         self.freeze_until_nimg = 0   # D-only iterations while cur_nimg is below this (--freeze-g-kimg)
+        self.g_frozen = False        # whether the last iteration left G alone (the log says so)
         self.step = 0            # iterations done
         self.cur_nimg = 0        # real images shown to D
         self.d_updates = 0
@@ -377,16 +378,15 @@ class Trainer:
         """G and G_ema <- an exported generator's weights (fp16 files are widened to fp32); the counters
         continue from its kimg and step, so snapshots, the log and EMA's ramp-up read as G's whole training.
         Returns the log record naming the source."""
-        from models.stylegan import load_generator
         from models.stylegan2 import load_state_strict
+        from training.export import exported_generator
 
         path = Path(path)
         if not path.is_file():
             raise InputError(f"--init-g {path}: no such file (give an exported generator, e.g. "
                              "assets/models/emoji64.safetensors or RUN/snapshots/G_ema-003400kimg.safetensors)")
-        loaded = load_generator(path, device="cpu")
-        meta = dict(loaded.config.get("metadata") or {})
-        training_meta = meta.get("training") or {}
+        loaded, sd, progress = exported_generator(path)
+        meta = loaded.config.get("metadata") or {}
         want = loaded.config.get("init_kwargs") or {}
         if int(want.get("c_dim", 0) or 0) != int(self.cfg.c_dim):
             raise InputError(f"--init-g {path.name} has {int(want.get('c_dim', 0) or 0)} classes, this run's G has "
@@ -395,17 +395,15 @@ class Trainer:
         if self.cfg.c_dim and classes and list(classes) != list(self.class_names):
             raise InputError(f"--init-g {path.name} was trained on other class names than this run's labels "
                              f"({self.cfg.cond}): its class i would mean another class here")
-        sd = {k: v.to(torch.float32) for k, v in loaded.G.state_dict().items()}
         for net, what in ((self.G, "G"), (self.G_ema, "G_ema")):
             load_state_strict(net, sd, f"{what} from --init-g {path.name} (give this run the generator's network: "
                                        f"--cbase/--cmax/--cond as it was trained)")
-        kimg = meta.get("kimg", training_meta.get("kimg"))
-        kimg = float(kimg) if kimg is not None else 0.0
+        kimg = float(progress["kimg"] or 0.0)
         self.cur_nimg = int(round(kimg * 1000))
-        step = meta.get("step", training_meta.get("step"))
+        step = progress["step"]
         self.step = int(step) if step is not None else self.cur_nimg // self.cfg.batch
         self.d_updates = self.g_updates = self.step
-        self.train_seconds = float(meta.get("train_seconds", training_meta.get("train_seconds", 0.0)) or 0.0)
+        self.train_seconds = float(progress["train_seconds"] or 0.0)
         self.say(f"[init] G and G_ema from {path} ({kimg:g} kimg); D starts fresh"
                  + (f", alone for {self.cfg.freeze_g_kimg:g} kimg" if self.cfg.freeze_g_kimg else ""))
         return {"kind": "init_g", "kimg": round(kimg, 3), "from": str(path), "sha256": loaded.sha256,
@@ -666,6 +664,7 @@ class Trainer:
         # All randomness of this iteration derives from (seed, rank, step): exact resume.
         torch.manual_seed(_mix(cfg.seed, self.dist.rank, self.step))
         g_frozen = self.cur_nimg < self.freeze_until_nimg      # --freeze-g-kimg: D catches up alone
+        self.g_frozen = g_frozen
         for _ in range(self.runtime["d_steps"]):
             real_u8, labels = self.loader.next_labeled()
             real = to_float(real_u8, self.channels_last)
@@ -1082,7 +1081,7 @@ class Trainer:
             "aug_p": float(self.aug.p) if self.aug is not None else 0.0,
             "ada_rt": float(self.ada.last_rt) if self.ada is not None else None,
             "pl_mean": float(self.pl_mean), "d_steps": self.runtime["d_steps"], "mem_gib": round(mem, 3),
-            **({"g_frozen": True} if self.cur_nimg <= self.freeze_until_nimg else {}),
+            **({"g_frozen": True} if self.g_frozen else {}),
         }
 
 
