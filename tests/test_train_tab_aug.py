@@ -157,7 +157,7 @@ def test_train_tab_has_the_controls_and_its_defaults_keep_the_preset(stand_in, t
     assert cap["value"] == 0 and (cap["minimum"], cap["maximum"]) == (0, 1)
     assert retune["value"] is False
     # appended: older API calls keep their order
-    assert START_FIELDS[-5:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels")
+    assert START_FIELDS[-7:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels", "init_g", "freeze_g_kimg")
 
     view = TrainView()
     with pytest.raises(gr.Error, match="tick Resume it as well"):

@@ -408,6 +408,11 @@ def test_train_tab_starts_watches_and_stops_a_run(page, studio, tmp_path, monkey
     for elem, label in (("train-cond", "Class key"), ("train-labels", "Labels file")):
         page.locator(f"#{elem} textarea, #{elem} input").first.wait_for(state="visible", timeout=LONG)
         assert label in page.inner_text(f"#{elem}")
+    # and so does "Start from a trained generator" (what it sends: tests/test_training_runs_init_g.py)
+    page.locator("#train-init").get_by_text("Start from a trained generator").click()
+    for elem, label in (("train-init-g", "Generator"), ("train-freeze-g-kimg", "Train D alone first (kimg)")):
+        page.locator(f"#{elem} input").first.wait_for(state="visible", timeout=LONG)
+        assert label in page.inner_text(f"#{elem}")
 
 
 def test_closing_a_tab_whose_job_waits_gives_its_place_up(browser, studio):

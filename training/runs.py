@@ -32,10 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from core.errors import InputError, ResourceError
-from training.config import AUG_MODES, AUG_PIPES, LOSSES, PRESETS, build_config
+from training.config import AUG_MODES, AUG_PIPES, LOSSES, PRESETS, build_config, finalize
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_FILE = "run.json"
@@ -59,6 +59,48 @@ def resolve_data(data: str) -> Path:
     if not p.exists() and not p.is_absolute() and (ROOT / p).exists():
         p = ROOT / p
     return p.resolve() if p.exists() else p
+
+
+def generator_info(path: str | Path) -> dict[str, Any]:
+    """What an exported generator's .json says, without reading its weights: arch, init_kwargs, and from its
+    metadata the kimg it was trained for, its preset and its class key (None where the file does not say).
+    A G_ema snapshot has these at the top of its metadata, an exported model under "training"."""
+    from models.catalogue import SIDE_FORMAT
+
+    side = Path(path).with_suffix(".json")
+    try:
+        doc = json.loads(side.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{Path(path).name} has no {side.name} beside it: an exported generator is the "
+                         ".safetensors and its .json (Export to studio and --snapshot-ema write both)") from None
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != SIDE_FORMAT:
+        raise InputError(f"{side.name} is not the config of an exported StyleGAN generator "
+                         f"(format {SIDE_FORMAT!r})")
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    nested = meta.get("training") if isinstance(meta.get("training"), dict) else {}
+    classes = meta.get("classes") if isinstance(meta.get("classes"), dict) else {}
+    kimg = meta.get("kimg", nested.get("kimg"))
+    return {"arch": doc.get("arch"), "init_kwargs": doc.get("init_kwargs") or {},
+            "kimg": float(kimg) if isinstance(kimg, (int, float)) else None,
+            "preset": meta.get("preset", nested.get("preset")), "class_key": classes.get("key")}
+
+
+def generator_files(folders: Iterable[str | Path]) -> dict[str, Path]:
+    """The exported generators in `folders` a run can start from (init_g), by the name the Train tab lists:
+    the file's stem, or 'stem (folder)' when an earlier folder has one of that name. Only the studio's own
+    .safetensors with their .json (what --init-g loads): no NVlabs pickles, no run folders."""
+    from models.catalogue import scan_stylegan
+
+    found: dict[str, Path] = {}
+    for folder in folders:
+        for e in scan_stylegan(Path(folder), "local"):
+            p = Path(e.path or "")
+            if p.suffix != ".safetensors" or not p.is_file() or p.resolve() in {q.resolve() for q in found.values()}:
+                continue
+            found.setdefault(p.stem if p.stem not in found else f"{p.stem} ({p.parent.name})", p)
+    return found
 
 
 @dataclass(frozen=True)
@@ -88,6 +130,10 @@ class TrainRequest:
     extra_args: tuple[str, ...] = ()    # more `app.py train` options, passed as given
     cond: str = ""                      # class-conditional on the class indices under this key ("" = unconditional)
     labels: str = ""                    # the labels JSON ("" = the preset's, or the data set's own dataset.json)
+    init_g: str = ""                    # a new run's G and G_ema start from this exported generator (.safetensors)
+    freeze_g_kimg: float = 0.0          # the run's first N kimg train D alone (a fresh D catches up with G)
+    cbase: int = 0                      # channel base / most channels of G and D; 0 = the preset's (with init_g:
+    cmax: int = 0                       # the generator's, when they differ from the preset's)
 
     def checked(self) -> "TrainRequest":
         """The same request with defaults filled in; raises InputError on what the trainer would refuse."""
@@ -146,6 +192,21 @@ class TrainRequest:
             if not lp.is_file():
                 raise InputError(f"labels file not found: {labels}; give a JSON file on the studio's machine")
             labels = str(lp)
+        if int(self.cbase or 0) < 0 or int(self.cmax or 0) < 0:
+            raise InputError(f"the channel base and most channels must be positive (or 0 for the preset's); "
+                             f"got {self.cbase}, {self.cmax}")
+        init_g, freeze = (self.init_g or "").strip(), float(self.freeze_g_kimg or 0)
+        if not freeze >= 0:        # (NaN too)
+            raise InputError(f"'Train D alone first' must be 0 or more kimg (0 = G trains from the start); "
+                             f"got {self.freeze_g_kimg}")
+        if init_g and self.resume:
+            raise InputError("Resume continues the run's own checkpoint (its G, D and counters), and a generator "
+                             "starts a new run: untick Resume to start a new run from the generator, or clear the "
+                             "generator to continue the run")
+        if freeze and self.resume:
+            # the boundary is in the checkpoint (training/trainer.py): a resumed run would drop this without a word
+            raise InputError("a resumed run keeps the D-alone boundary of its checkpoint; set 'Train D alone first' "
+                             "to 0 to resume, or start a new run")
         name = (self.name or "").strip()
         if name and not NAME_RE.match(name):
             raise InputError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (at most 64), "
@@ -153,9 +214,18 @@ class TrainRequest:
         name = name or f"{self.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         req = TrainRequest(**{**asdict(self), "data": data, "resolution": res, "kimg": kimg, "minutes": minutes,
                               "aug_pipe": pipe, "ada_max_p": max_p, "name": name, "cond": cond, "labels": labels,
-                              "extra_args": tuple(self.extra_args)})
+                              "init_g": init_g, "freeze_g_kimg": freeze, "extra_args": tuple(self.extra_args)})
+        if init_g:
+            req = req._from_generator()
         # the trainer's own validation of the options that do not depend on the data
-        cfg = build_config(self.preset, res, **req.overrides())
+        cfg = build_config(self.preset, req.resolution, **req.overrides())
+        if init_g:
+            start = generator_info(req.init_g)["kimg"]
+            if start is not None and cfg.kimg <= start:
+                then = f"{freeze:g} kimg of D alone, then 1000 more" if freeze else "1000 more"
+                raise InputError(f"{Path(req.init_g).name} is at {start:g} kimg and the run's counters continue "
+                                 f"from there, so its length {cfg.kimg:g} kimg would train nothing: set Length "
+                                 f"above {start:g} (e.g. {start + freeze + 1000:g}: {then})")
         if cfg.cond and not cfg.labels and cfg.data and not self.resume:
             from training.dataset import nvlabs_labels_source
 
@@ -169,6 +239,46 @@ class TrainRequest:
                              f"{cfg.ada_max_p:g}{whose}; lower the augmentation p, or raise Max p to {cfg.aug_p:g}")
         return req
 
+    def _from_generator(self) -> "TrainRequest":
+        """The request with the network of its init_g generator: the file must be an exported generator of
+        this preset, and the run builds its size, width and classes (the trainer loads it strictly)."""
+        p = resolve_data(self.init_g)
+        if not p.exists():
+            raise InputError(f"generator file not found: {self.init_g}; give an exported generator (.safetensors "
+                             "with its .json) on the studio's machine")
+        if not p.is_file() or p.suffix.lower() != ".safetensors":
+            raise InputError(f"{p.name} is not an exported generator: give the .safetensors file (its .json beside "
+                             "it) that Export to studio or a run's snapshots/ holds; NVlabs pickles: convert first")
+        info = generator_info(p)
+        name, kw = p.name, info["init_kwargs"]
+        if info["preset"] and info["preset"] != self.preset:
+            raise InputError(f"{name} was trained with the {info['preset']} preset, whose network this run must "
+                             f"build to load it: choose the {info['preset']} preset")
+        res, gen_res = self.resolution, int(kw.get("img_resolution") or 0)
+        if res and gen_res and res != gen_res:
+            raise InputError(f"{name} makes {gen_res}x{gen_res} images: set Resolution to {gen_res} (or 0: the "
+                             "generator's), the data is resized to it")
+        cond, classes = self.cond, int(kw.get("c_dim") or 0)
+        if classes and not cond:
+            cond = info["class_key"] or ""
+            if not cond:
+                raise InputError(f"{name} is class-conditional ({classes} classes): give the class key it was "
+                                 "trained on under Classes (conditional)")
+        if cond and not classes:
+            raise InputError(f"{name} is unconditional: clear the class key to train from it")
+        if cond and info["class_key"] and cond != info["class_key"]:
+            raise InputError(f"{name} was trained on the classes under {info['class_key']!r} ({classes}): use that "
+                             "class key (its class i must mean the same class in this run)")
+        cbase, cmax = self.cbase, self.cmax
+        if not (cbase or cmax) and gen_res and kw.get("channel_base") and kw.get("channel_max"):
+            # G's width is not the preset's: the run it came from had --cbase/--cmax, which apply to G and D
+            preset_g = finalize(build_config(self.preset, gen_res, batch=self.batch or None), gen_res).g_kwargs
+            width = (kw["channel_base"], kw["channel_max"])
+            if (preset_g.get("channel_base"), preset_g.get("channel_max")) != width:
+                cbase, cmax = int(width[0]), int(width[1])
+        return TrainRequest(**{**asdict(self), "init_g": str(p), "resolution": res or gen_res, "cond": cond,
+                               "cbase": cbase, "cmax": cmax})
+
     def overrides(self) -> dict[str, Any]:
         """`build_config` overrides of a checked request (None = the preset's value)."""
         return {"data": self.data or None, "kimg": self.kimg or None, "minutes": self.minutes or None,
@@ -178,7 +288,9 @@ class TrainRequest:
                 "auto_countermeasures": bool(self.auto_countermeasures) or None,
                 "monitor_kimg": float(self.monitor_kimg) if self.monitor_kimg else None,
                 "log_every": int(self.log_every) if self.log_every else None, "seed": self.seed,
-                "cond": self.cond or None, "labels": self.labels or None}
+                "cond": self.cond or None, "labels": self.labels or None, "init_g": self.init_g or None,
+                "freeze_g_kimg": float(self.freeze_g_kimg) if self.freeze_g_kimg else None,
+                "cbase": int(self.cbase) if self.cbase else None, "cmax": int(self.cmax) if self.cmax else None}
 
     def cli_args(self, out: Path) -> list[str]:
         """`training.cli` arguments for a checked request writing to `out`."""
@@ -193,7 +305,9 @@ class TrainRequest:
             a += ["--resolution", str(self.resolution)]
         for flag, value in (("--kimg", self.kimg), ("--minutes", self.minutes), ("--batch", self.batch),
                             ("--d-steps", self.d_steps), ("--aug-p", self.aug_p), ("--ada-max-p", self.ada_max_p),
-                            ("--monitor-kimg", self.monitor_kimg), ("--log-every", self.log_every)):
+                            ("--monitor-kimg", self.monitor_kimg), ("--log-every", self.log_every),
+                            ("--freeze-g-kimg", self.freeze_g_kimg), ("--cbase", self.cbase),
+                            ("--cmax", self.cmax)):
             if value:
                 a += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         a += ["--loss", self.loss, "--aug", self.aug]
@@ -205,6 +319,8 @@ class TrainRequest:
             a += ["--cond", self.cond]
         if self.labels:
             a += ["--labels", self.labels]
+        if self.init_g:
+            a += ["--init-g", self.init_g]
         if self.seed is not None:
             a += ["--seed", str(int(self.seed))]
         if self.device:

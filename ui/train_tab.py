@@ -24,7 +24,7 @@ import gradio as gr
 from core.errors import AtelierError
 from core.settings import Settings
 from training.config import AUG_MODES, AUG_PIPES, LOSSES, PRESETS
-from training.runs import TrainingRunManager, TrainRequest
+from training.runs import TrainingRunManager, TrainRequest, generator_files, generator_info
 from ui import train_view
 
 log = logging.getLogger("atelier.ui")
@@ -37,9 +37,16 @@ GPU_NOTE = ("Training runs as a separate process on the same GPU as generation: 
 # the start event's inputs, in the order of `train_start`'s parameters (its API signature)
 START_FIELDS = ("data", "preset", "resolution", "kimg", "minutes", "batch", "loss", "d_steps", "aug", "aug_p",
                 "auto_countermeasures", "name", "resume", "monitor_kimg", "log_every", "aug_pipe", "ada_max_p",
-                "retune", "cond", "labels")
+                "retune", "cond", "labels", "init_g", "freeze_g_kimg")
 # "" is the preset's pipe (bgc; emoji64 upright): an untouched control never overrides a preset
 PIPE_CHOICES = [("preset's", "")] + [(p, p) for p in AUG_PIPES]
+
+INIT_NOTE = ("For a model whose run folder (its checkpoint) is gone, or one shared as a generator only: G starts "
+             "from the file, **D starts fresh**, and the counters continue from the file's kimg, so *Length* "
+             "counts from there too (a 3,500 kimg model and Length 5,000 train 1,500 kimg). A fresh D against a "
+             "trained G spoils its detail: **train D alone first**, e.g. 400 kimg. The run builds the generator's "
+             "network (size, width, classes), so pick the preset it was trained with. A run that still has its "
+             "checkpoint: tick *Resume it* instead.")
 
 
 @dataclass
@@ -102,7 +109,28 @@ def _snapshot(samples: Path, run: str) -> str | None:
     return str(out)
 
 
-def _check_visitor_data(settings: Settings, data: str) -> str:
+def generator_folders(settings: Settings) -> list[Path]:
+    """Where the generators a run may start from are: the bundled models, then the studio's model folders
+    (the Train tab exports into the first)."""
+    folders = [Path(settings.assets_dir) / "models", *map(Path, settings.models_dirs), export_folder(settings)]
+    return list(dict.fromkeys(folders))
+
+
+def generator_choices(settings: Settings) -> list[tuple[str, str]]:
+    """The generator picker's (label, value) pairs: "" = none, then each known generator by name (never a
+    server path: public visitors see these) with the kimg it was trained for."""
+    out = [("none: a new G", "")]
+    for name, path in generator_files(generator_folders(settings)).items():
+        try:
+            kimg = generator_info(path)["kimg"]
+        except AtelierError:
+            continue
+        out.append((f"{name} ({kimg:g} kimg)" if kimg is not None else name, name))
+    return out
+
+
+def _check_visitor_data(settings: Settings, data: str,
+                        what: str = "Training data must be a folder or file") -> str:
     """Public mode (with --allow train): training data only from the host's data folders, named by
     visitors relative to one of them; nothing else on the server is reachable."""
     roots = [Path(d).resolve() for d in settings.data_dirs]
@@ -115,8 +143,7 @@ def _check_visitor_data(settings: Settings, data: str) -> str:
         if rel and candidate.is_relative_to(root) and candidate.exists():
             return str(candidate)
     names = ", ".join(r.name for r in roots)
-    raise gr.Error(f"Training data must be a folder or file inside the host's data folders ({names}), "
-                   "named relative to one of them.")
+    raise gr.Error(f"{what} inside the host's data folders ({names}), named relative to one of them.")
 
 
 def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend: gr.Radio, model: gr.Dropdown,
@@ -183,6 +210,18 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                                  placeholder="empty = the preset's, or the data's dataset.json",
                                                  info="JSON: per-image class indices under the key, or NVlabs' "
                                                       "dataset.json")
+                with gr.Accordion("Start from a trained generator", open=False, elem_id="train-init") as init_box:
+                    gr.Markdown(INIT_NOTE, elem_id="train-init-note")
+                    with gr.Row():
+                        C["init_g"] = gr.Dropdown(generator_choices(settings), value="", label="Generator",
+                                                  allow_custom_value=True, elem_id="train-init-g", scale=2,
+                                                  info="one of the studio's models, or a .safetensors (with its "
+                                                       ".json) in the host's data folders" if settings.public
+                                                  else "one of the studio's models, or the path of a .safetensors "
+                                                       "(with its .json), e.g. RUN/snapshots/G_ema-…kimg")
+                        C["freeze_g_kimg"] = gr.Number(0, label="Train D alone first (kimg)", minimum=0,
+                                                       elem_id="train-freeze-g-kimg", scale=1,
+                                                       info="G fixed while the fresh D catches up; 0 = none")
                 with gr.Accordion("Monitor and logging", open=False, elem_id="train-more"):
                     with gr.Row():
                         C["monitor_kimg"] = gr.Number(0, label="Monitor every (kimg)", elem_id="train-monitor-kimg",
@@ -242,14 +281,23 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
 
     def train_start(data="", preset="stylegan2", resolution=0, kimg=0, minutes=0, batch=0, loss="r1", d_steps=0,
                     aug="ada", aug_p=0.0, auto_countermeasures=False, name="", resume=False, monitor_kimg=0,
-                    log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, cond="", labels="",
-                    view: TrainView = None):
+                    log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, cond="", labels="", init_g="",
+                    freeze_g_kimg=0.0, view: TrainView = None):
         """Start a training run in a separate process; the live view follows it. `cond` (a class key) trains a
-        class-conditional model on the labels under that key of `labels` (or of the data set's dataset.json)."""
+        class-conditional model on the labels under that key of `labels` (or of the data set's dataset.json).
+        `init_g` (a generator's name in the picker, or a path) starts a new run's G from that exported generator,
+        D fresh; `freeze_g_kimg` trains D alone for the run's first N kimg."""
         if settings.public:
             data = _check_visitor_data(settings, str(data or ""))
             if str(labels or "").strip():
                 labels = _check_visitor_data(settings, str(labels))
+        init_g = str(init_g or "").strip()
+        known = generator_files(generator_folders(settings)) if init_g else {}
+        if init_g in known:
+            init_g = str(known[init_g])
+        elif init_g and settings.public:
+            init_g = _check_visitor_data(settings, init_g, "The generator must be one of the listed models, "
+                                                           "or a .safetensors file")
         try:
             req = TrainRequest(data=str(data or ""), preset=preset or "stylegan2", resolution=int(resolution or 0),
                                kimg=float(kimg or 0), minutes=float(minutes or 0), batch=int(batch or 0),
@@ -258,7 +306,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                name=str(name or "").strip(), resume=bool(resume),
                                monitor_kimg=float(monitor_kimg or 0), log_every=int(log_every or 0),
                                aug_pipe=str(aug_pipe or ""), ada_max_p=float(ada_max_p or 0), retune=bool(retune),
-                               cond=str(cond or "").strip(), labels=str(labels or "").strip())
+                               cond=str(cond or "").strip(), labels=str(labels or "").strip(), init_g=init_g,
+                               freeze_g_kimg=float(freeze_g_kimg or 0))
             st = manager.start(req)
         except AtelierError as exc:
             raise gr.Error(str(exc)) from None
@@ -267,6 +316,12 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                        "monitor off: set 'Monitor every (kimg)' for them to do anything.")
         if req.aug == "none" and (req.aug_pipe or req.ada_max_p):
             gr.Warning("Augmentation is off, so the augmentation pipe and Max p do nothing in this run.")
+        if req.freeze_g_kimg and not req.init_g:
+            gr.Warning("'Train D alone first' is for a run that starts from a trained generator: without one, "
+                       "G stays at its random start for those kimg.")
+        if st.request.get("cbase") and st.request.get("cmax"):      # the form has no width: the generator's
+            gr.Info(f"The run builds the generator's network width (channel base {st.request['cbase']}, most "
+                    f"channels {st.request['cmax']}, for G and D), not the {req.preset} preset's.")
         view.watch(st.name)
         view.timer_on = True
         return runs_update(st.name), train_view.render_status(st), gr.Timer(TICK_S, active=True)
@@ -322,6 +377,10 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
         return (train_view.render_status(st), train_view.render_warnings(st), *plots, image, st.to_dict(),
                 timer_update)
 
+    def train_generators(current: str = ""):
+        """The generators a new run may start from (the bundled and exported models), listed again."""
+        return gr.Dropdown(choices=generator_choices(settings), value=current or "")
+
     def train_runs(run: str | None = None):
         """The runs in the runs folder, newest first (the run going on is selected)."""
         return runs_update(run)
@@ -366,6 +425,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
     runs_btn.click(train_runs, run_select, run_select, api_name="train_runs", **fast)
     tab.select(train_open, [run_select, view], [run_select] + live_outputs, api_name="train_open", **fast)
     export_btn.click(train_export, [run_select, export_name, backend], [export_status, model],
-                     api_name="train_export", concurrency_id="train-export", concurrency_limit=1)
+                     api_name="train_export", concurrency_id="train-export", concurrency_limit=1
+                     ).success(train_generators, C["init_g"], C["init_g"], api_name="train_exported", **fast)
+    init_box.expand(train_generators, C["init_g"], C["init_g"], api_name="train_generators", **fast)
     tab.atelier_manager = manager
     return tab
