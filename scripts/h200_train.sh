@@ -14,7 +14,8 @@
 #                WAIT_CKPT=compact: the travel form, fp16 networks without Adam moments, 4 files, 34 MiB for the wide network)
 #   tests        the trainer's GPU tests (log under $OUT), run beside the training
 #   finish       wait for the run to end (STOP_NOW=1: SIGTERM it first), export G_ema (fp16) + grid + model card, the emoji metric
-#                over every snapshot, a samples-vs-kimg strip; small files packed in $OUT/small.tgz
+#                over every snapshot, a samples-vs-kimg strip, D's carried state (emoji64-D.safetensors.xz, for
+#                --init-d); small files packed in $OUT/small.tgz
 # Carry [".whl"] (the wheels are not needed by training, but h200_env.sh installs what is there).
 source "$(dirname "$0")/h200_env.sh"
 RUN=${RUN:-runs/emoji64}
@@ -100,6 +101,9 @@ EOF
       while running; do sleep 5; done
       tail -4 "$RUN.log"
       python3 scripts/train_default_model.py --export "$RUN" --to "$OUT/emoji64" --grid "$OUT/emoji64_grid.png"
+      # D of the same checkpoint, bf16 + xz (< 12 MB): shipped with this G_ema, the next sitting continues
+      # with --init-g assets/models/emoji64.safetensors --init-d training_state/emoji64-D.safetensors.xz
+      python3 scripts/train_default_model.py --carry-d "$RUN" --carry-d-to "$OUT/emoji64-D.safetensors.xz" | tail -1
       mkdir -p "$OUT/m"
       if [ -f scripts/emoji_metrics.py ]; then
         timeout ${METRIC_TIMEOUT:-150} python3 scripts/emoji_metrics.py --snapshots "$RUN/snapshots" --device cuda \

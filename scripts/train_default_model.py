@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="write RUN's checkpoint in travel form to --compact-to: 16-bit G, G_ema and D, no optimizer "
                          "moments (about a fifth of the size); --resume continues from it with Adam started afresh")
     ap.add_argument("--compact-to", default=None, metavar="DIR")
+    ap.add_argument("--carry-d", default=None, metavar="RUN",
+                    help="write D of RUN's checkpoint alone, bf16 and xz-compressed (< 12 MB), to --carry-d-to: with "
+                         "the exported generator of the same checkpoint, a later run continues from it "
+                         "(--init-g MODEL --init-d FILE) without training a fresh D")
+    ap.add_argument("--carry-d-to", default=str(ROOT / "training_state" / "emoji64-D.safetensors.xz"),
+                    metavar="FILE")
     ap.add_argument("--to", default=str(ROOT / "assets" / "models" / "emoji64"))
     ap.add_argument("--grid", default=str(ROOT / "docs" / "images" / "emoji64_grid.png"))
     args, rest = ap.parse_known_args(argv)
@@ -65,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise InputError("--compact RUN needs --compact-to DIR (a new folder; RUN stays as it is)")
             sizes = compact_checkpoint(args.compact, args.compact_to)
             print(json.dumps({"to": args.compact_to, "mib": {k: round(v / 2**20, 2) for k, v in sizes.items()}}))
+            return 0
+        if args.carry_d is not None:
+            from training.checkpoint import write_d_state
+
+            print(json.dumps(write_d_state(args.carry_d, args.carry_d_to)))
             return 0
         if args.export is not None:
             from training.export import export_run

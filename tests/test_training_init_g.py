@@ -90,7 +90,8 @@ def test_export_of_an_init_g_run_names_where_g_started(source, tmp_path):
                      "--kimg", f"{start_kimg + 0.032:.3f}"]) == 0
     paths = export_run(out, tmp_path / "m" / "cont")
     meta = json.loads(paths["config"].read_text())["metadata"]["training"]
-    assert meta["init_g"] == {"from": str(source["snap"]), "freeze_g_kimg": 0.016, "kimg": pytest.approx(start_kimg)}
+    assert meta["init_g"] == {"from": str(source["snap"]), "freeze_g_kimg": 0.016, "kimg": pytest.approx(start_kimg),
+                              "init_d": None}
     card = paths["card"].read_text()
     assert f"started from `{source['snap']}`" in card and "alone for its first 0.016 kimg" in card
 

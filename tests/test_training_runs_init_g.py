@@ -46,6 +46,13 @@ def stand_in(tmp_path):
     m.stop_all(wait=True, grace_s=5)
 
 
+def settle(m: TrainingRunManager) -> None:
+    """Wait for the stand-in children to exit: start() refuses a new run while one is alive, and on a loaded
+    machine `true` may not have exited by the next call."""
+    for child in list(m._children.values()):
+        child.proc.wait(timeout=120)
+
+
 def request(src, **kw) -> TrainRequest:
     base = dict(data=str(src["data"]), preset="tiny", batch=8, device="cpu", log_every=1,
                 kimg=round(src["kimg"] + 0.032, 3))
@@ -184,6 +191,7 @@ def test_train_tab_starts_a_run_from_a_listed_generator(stand_in, src, tmp_path)
     start, view = fns["train_start"].fn, TrainView()
     start(data=str(src["data"]), preset="tiny", batch=8, kimg=1, name="picked", init_g="mine", freeze_g_kimg=0.016,
           view=view)
+    settle(stand_in)
     argv = trainer_argv(stand_in.runs_dir / "picked")
     assert flag(argv, "--init-g") == str(mine.resolve()) and flag(argv, "--freeze-g-kimg") == "0.016"
     assert flag(argv, "--cmax") == "8"
@@ -216,6 +224,7 @@ def test_public_train_tab_takes_listed_generators_or_files_in_the_data_folders(s
     for name, init_g, path in (("listed", "mine", tmp_path / "models" / "mine.safetensors"),
                                ("shared", "shared.safetensors", data_dir / "shared.safetensors")):
         start(**base, name=name, init_g=init_g)
+        settle(stand_in)
         assert flag(trainer_argv(stand_in.runs_dir / name), "--init-g") == str(path.resolve())
     for elsewhere in (str(src["narrow"]), "../models/mine.safetensors"):   # any other server path
         with pytest.raises(gr.Error, match="one of the listed models, or a .safetensors file inside the host's"):

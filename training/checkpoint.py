@@ -253,3 +253,69 @@ def compact_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float16",
     tmp.write_text(json.dumps(out, indent=1, allow_nan=True))
     os.replace(tmp, dst / STATE_FILE)
     return {f: v["bytes"] for f, v in listing.items()}
+
+
+# -- the carried discriminator ------------------------------------------------------------------------
+
+D_STATE_FORMAT = "atelier-d-state/1"
+D_STATE_MAX_BYTES = 12_000_000     # what the repository keeps of a run in progress (issue 12: < 12 MB, bf16)
+
+
+def write_d_state(src: str | Path, dst: str | Path, max_bytes: int | None = D_STATE_MAX_BYTES) -> dict[str, Any]:
+    """D of the checkpoint in `src`, alone, in one small file `dst`: a bfloat16 safetensors compressed with xz
+    (`xz -d` opens it). With the exported generator of the same checkpoint (its G_ema, which the studio ships
+    anyway), it is what a later run needs to continue without a fresh D (--init-g FILE --init-d THIS): G's
+    raw weights and both optimizers' moments stay behind (Adam restarts, as from a compact checkpoint).
+    The metadata keeps the counters, ADA's p and controller, the classes and the run's config. Returns
+    {"path", "bytes", "raw_bytes", "kimg"}; refuses a file over `max_bytes` (None: any size)."""
+    import lzma
+
+    from safetensors.torch import save as save_bytes
+
+    doc, tensors = load_checkpoint(src)
+    if "D" not in tensors:
+        raise InputError(f"{src}: the checkpoint has no discriminator")
+    small = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors["D"].items()}
+    meta = {"format": D_STATE_FORMAT, "kimg": doc.get("kimg"), "step": doc.get("step"),
+            "train_seconds": doc.get("train_seconds"), "aug_p": doc.get("aug_p"), "ada": doc.get("ada"),
+            "classes": doc.get("classes"), "config": doc.get("config"), "from_saved_at": doc.get("saved_at"),
+            "dtype": "bfloat16"}
+    raw = save_bytes(small, metadata={"atelier": json.dumps(meta, allow_nan=True)})
+    packed = lzma.compress(raw, preset=6)
+    if max_bytes is not None and len(packed) > max_bytes:
+        raise InputError(f"D's carried state would be {len(packed) / 1e6:.1f} MB, over the {max_bytes / 1e6:g} MB "
+                         "the repository keeps; carry the compact checkpoint instead (--compact)")
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    tmp.write_bytes(packed)
+    os.replace(tmp, dst)
+    return {"path": str(dst), "bytes": len(packed), "raw_bytes": len(raw), "kimg": doc.get("kimg")}
+
+
+def read_d_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(metadata, D's tensors in float32) of a file write_d_state wrote; clear errors for anything else."""
+    import lzma
+
+    from safetensors.torch import load as load_bytes
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--init-d {path}: no such file (give the .safetensors.xz that "
+                         "`train_default_model.py --carry-d RUN` or the GPU sitting's finish wrote)")
+    try:
+        raw = lzma.decompress(path.read_bytes())
+    except lzma.LZMAError as exc:
+        raise InputError(f"--init-d {path.name} is not an xz-compressed D state ({exc}); it is damaged or another "
+                         "kind of file") from None
+    try:
+        tensors = load_bytes(raw)
+        header_len = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + header_len])
+        meta = json.loads((header.get("__metadata__") or {}).get("atelier", "{}"))
+    except (SafetensorError, ValueError, KeyError) as exc:
+        raise InputError(f"--init-d {path.name}: the file inside the xz is not a readable safetensors ({exc})") from None
+    if meta.get("format") != D_STATE_FORMAT:
+        raise InputError(f"--init-d {path.name} is not a carried D state (format {meta.get('format')!r}, want "
+                         f"{D_STATE_FORMAT!r})")
+    return meta, {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--freeze-g-kimg", type=float, default=None, metavar="N",
       help="train D alone for the run's first N kimg (G and G_ema fixed), so a fresh D catches up with a trained G "
            "(--init-g) before G learns from it")
+    a("--init-d", default=None, metavar="FILE",
+      help="with --init-g: D and ADA's p from a carried D state (a .safetensors.xz from train_default_model.py "
+           "--carry-d) instead of a fresh D, so the run continues without training D alone first")
     a("--cbase", type=int, default=None, help="channel base of G and D (channels = min(cbase / res, cmax))")
     a("--cmax", type=int, default=None, help="most channels of any layer of G and D")
     a("--cond", default=None, metavar="KEY",
@@ -123,7 +126,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
-                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg")
+                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d")
 
 
 def retune_from_args(args: argparse.Namespace) -> dict | None:

@@ -112,6 +112,8 @@ class TrainConfig:
                                             # G_ema snapshot or a studio model); D starts fresh
     freeze_g_kimg: float = 0.0              # the first N kimg of the run train D alone (G and G_ema fixed): a
                                             # fresh D catches up with a trained G before G learns from it
+    init_d: str = ""                        # with init_g: D (and ADA's p) from a carried D state instead of
+                                            # fresh (checkpoint.write_d_state: bf16, xz, < 12 MB)
 
     # -- outputs -------------------------------------------------------------------------------------
     log_every: int = 100                    # iterations between log lines (the only host syncs)
@@ -286,6 +288,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.compile_scope in COMPILE_SCOPES,
          f"--compile-scope must be one of {', '.join(COMPILE_SCOPES)}; got {cfg.compile_scope!r}")
     need(cfg.freeze_g_kimg >= 0, f"--freeze-g-kimg must be 0 or more; got {cfg.freeze_g_kimg}")
+    need(not cfg.init_d or cfg.init_g,
+         "--init-d continues a D against the generator it was trained with: give that generator with --init-g")
     if cfg.cond and not cfg.labels:
         from training.dataset import nvlabs_labels_source
         from training.trainer import resolve_data_path

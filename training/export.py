@@ -184,7 +184,7 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
     if cfg.init_g:
         # a run started from another generator (--init-g): where G's first kimg came from
         meta["training"]["init_g"] = {"from": cfg.init_g, "freeze_g_kimg": cfg.freeze_g_kimg,
-                                      "kimg": _init_kimg(run)}
+                                      "kimg": _init_kimg(run), "init_d": cfg.init_d or None}
     if doc.get("classes"):
         meta["classes"] = doc["classes"]        # {"key": "group", "names": [...]}: class index -> name
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
@@ -263,8 +263,10 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
         ig = t["init_g"]
         lines += [f"- G and G_ema started from `{ig['from']}`"
                   + (f" ({ig['kimg']:.0f} kimg, counted above)" if ig.get("kimg") is not None else "")
-                  + "; D trained from scratch" + (f", alone for its first {ig['freeze_g_kimg']:g} kimg"
-                                                  if ig.get("freeze_g_kimg") else "") + " (`--init-g`)."]
+                  + (f"; D from the carried state `{ig['init_d']}` (`--init-d`)" if ig.get("init_d")
+                     else "; D trained from scratch")
+                  + (f", alone for its first {ig['freeze_g_kimg']:g} kimg" if ig.get("freeze_g_kimg") else "")
+                  + " (`--init-g`)."]
     if doc.get("exported_snapshot"):
         lines += [f"- Exported from the run's G_ema snapshot at {t['kimg']:.0f} kimg (`--snapshot`); the recipe "
                   "above is the run's at that point (its retunes from log.jsonl applied)."]

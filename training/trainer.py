@@ -351,11 +351,14 @@ class Trainer:
         self.c_empty = torch.zeros(self.batch_gpu, 0, device=self.device)
 
         self.init_record = None
+        self.init_d_record = None
         if resume_doc is not None:
             self._load(resume)
         else:
             if cfg.init_g:
                 self.init_record = self._init_from_generator(cfg.init_g)
+            if cfg.init_d:
+                self.init_d_record = self._init_discriminator(cfg.init_d, keep_p="aug_p" in given)
             # D alone until here (G and G_ema fixed); a resumed run reads it from its state
             self.freeze_until_nimg = self.cur_nimg + int(round(cfg.freeze_g_kimg * 1000))
         self.out = Path(cfg.out)
@@ -363,8 +366,9 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if resume is not None:
                 self._carry_log(Path(resume))
-            if self.init_record is not None:
-                self._append_log(self.init_record)
+            for record in (self.init_record, self.init_d_record):
+                if record is not None:
+                    self._append_log(record)
             if self.retuned:
                 self._append_log({"kind": "retune", "kimg": round(self.cur_nimg / 1000, 3),
                                   "changed": {k: {"from": a, "to": b} for k, (a, b) in self.retuned.items()}})
@@ -408,6 +412,34 @@ class Trainer:
                  + (f", alone for {self.cfg.freeze_g_kimg:g} kimg" if self.cfg.freeze_g_kimg else ""))
         return {"kind": "init_g", "kimg": round(kimg, 3), "from": str(path), "sha256": loaded.sha256,
                 "freeze_g_kimg": self.cfg.freeze_g_kimg}
+
+    def _init_discriminator(self, path: str | Path, keep_p: bool = False) -> dict:
+        """D <- a carried D state (checkpoint.write_d_state), ADA's p and controller with it unless --aug-p was
+        given (`keep_p`). The state should come from the checkpoint whose G_ema --init-g loaded; one from another
+        kimg still beats a fresh D, and the log line says how far apart they are. Returns the log record."""
+        from models.stylegan2 import load_state_strict
+
+        path = Path(path)
+        meta, sd = ckpt.read_d_state(path)
+        classes = (meta.get("classes") or {}).get("names")
+        if self.cfg.c_dim and classes and list(classes) != list(self.class_names):
+            raise InputError(f"--init-d {path.name} was trained on other class names than this run's labels "
+                             f"({self.cfg.cond}): its class i would mean another class here")
+        load_state_strict(self.D, sd, f"D from --init-d {path.name} (give this run the network it was trained "
+                                      "with: --cbase/--cmax/--cond as for --init-g)")
+        p_from = None
+        if self.aug is not None and not keep_p and meta.get("aug_p") is not None:
+            p_from = min(float(meta["aug_p"]), self.cfg.ada_max_p)
+            self.aug.p.fill_(p_from)
+            if self.ada is not None and meta.get("ada"):
+                self.ada.load_state_dict(meta["ada"])
+        d_kimg = meta.get("kimg")
+        gap = None if d_kimg is None else round(self.cur_nimg / 1000 - float(d_kimg), 3)
+        self.say(f"[init] D from {path} ({float(d_kimg or 0):g} kimg"
+                 + (f", {abs(gap):g} kimg {'behind' if gap > 0 else 'ahead of'} G" if gap else ", G's kimg")
+                 + (f"; ADA p {p_from:.3f}" if p_from is not None else "") + ")")
+        return {"kind": "init_d", "kimg": round(self.cur_nimg / 1000, 3), "from": str(path),
+                "d_kimg": d_kimg, "kimg_gap": gap, "aug_p": p_from}
 
     @staticmethod
     def _merge_resume_config(saved: dict, requested: TrainConfig, given: set[str] | frozenset = frozenset()
