@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     sg = p.add_argument_group("sampling with --model")
     sg.add_argument("--seed-start", type=int, default=0, help="first seed; images use seeds seed-start .. +num-1")
     sg.add_argument("--truncation", type=float, default=1.0, help="truncation ψ (1 = none, as for FID)")
+    sg.add_argument("--truncation-centre", "--truncation-center", dest="truncation_centre", default="class",
+                    metavar="class|global",
+                    help="what ψ < 1 pulls towards: class = each class's own mean w (a class-conditional model's "
+                         "default), global = the model's mean w over all classes (unconditional models: always)")
     sg.add_argument("--class", "--class-index", dest="class_index", default=None, metavar="CLASS",
                     help="class of a class-conditional model: an index or a name from the model's file "
                          "(e.g. face-smiling, animal-mammal); default: seed s draws class s %% classes")
@@ -76,6 +80,7 @@ def model_sampler(services, a: argparse.Namespace, flags: OptimizationFlags):
     """A `sample(n) -> uint8 [n, 3, H, W]` that walks the seeds seed-start, seed-start+1, ..."""
     if services is None or getattr(services, "manager", None) is None:
         raise InputError("--model needs the studio's model manager; run through `python app.py eval`")
+    StyleGANParams(seeds=(0,), truncation_centre=a.truncation_centre)     # a bad centre is refused before any work
     state = {"next": int(a.seed_start)}
     if not (0 <= state["next"] and state["next"] + int(a.num) - 1 <= SEED_MAX):
         raise InputError(f"--seed-start {a.seed_start} with --num {a.num} leaves the seed range 0..{SEED_MAX}")
@@ -84,10 +89,14 @@ def model_sampler(services, a: argparse.Namespace, flags: OptimizationFlags):
         seeds = tuple(range(state["next"], state["next"] + n))
         state["next"] += n
         params = StyleGANParams(seeds=seeds, truncation_psi=a.truncation, class_index=a.class_index,
+                                truncation_centre=a.truncation_centre,
                                 batch_size=min(n, int(a.gen_batch_size)))
         result = services.manager.generate(GenerationRequest("stylegan", a.model, params, flags, a.device), Job())
+        if result.metadata:                 # the centre the model used (an unconditional one: always global)
+            sample.truncation_centre = result.metadata[0].get("truncation_centre")
         return np.stack([np.asarray(im.convert("RGB")).transpose(2, 0, 1) for im in result.images])
 
+    sample.truncation_centre = None
     return sample
 
 
@@ -139,7 +148,8 @@ def main(argv: list[str], services=None) -> int:
         input_mode=a.inception_input, cache_dir=cache_dir, value_range=value_range, progress=progress, inception=inception)
     result["real"] = a.real
     result["fake"] = a.fake if a.fake is not None else {"model": a.model, "seeds": [a.seed_start, a.seed_start + a.num - 1],
-                                                         "truncation_psi": a.truncation, "class_index": a.class_index}
+                                                         "truncation_psi": a.truncation, "class_index": a.class_index,
+                                                         "truncation_centre": getattr(fake, "truncation_centre", None)}
     if a.save_real_stats:
         result["real_stats_saved"] = a.save_real_stats
     text = json.dumps(result, default=str)

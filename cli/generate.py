@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--seeds", type=str, default=None, help="seed list/ranges, e.g. 0-7 or 1,5,9")
     sg.add_argument("--truncation", type=float, default=1.0, help="truncation ψ (1 = none)")
     sg.add_argument("--truncation-cutoff", type=int, default=None)
+    sg.add_argument("--truncation-centre", "--truncation-center", dest="truncation_centre", default=None,
+                    metavar="class|global",
+                    help="what ψ pulls w towards: class = the class's own mean w (the default for a class-conditional "
+                         "model), global = the model's running mean w_avg over all classes (NVlabs' truncation; "
+                         "what an unconditional model always uses)")
     sg.add_argument("--noise-mode", choices=["const", "random", "none"], default="const")
     sg.add_argument("--class", "--class-index", dest="class_index", default=None, metavar="CLASS",
                     help="class of a class-conditional model: an index or a name from the model's file "
@@ -68,7 +73,9 @@ def _request_from_png(path: str, a: argparse.Namespace, flags: OptimizationFlags
         seeds = meta.get("seeds") or [meta.get("seed", 0)]
         params = StyleGANParams(seeds=tuple(int(s) for s in seeds), truncation_psi=float(meta.get("truncation_psi", 1.0)),
                                 truncation_cutoff=meta.get("truncation_cutoff"), noise_mode=meta.get("noise_mode", "const"),
-                                class_index=meta.get("class_index"))
+                                class_index=meta.get("class_index"),
+                                # an image saved before the centre was recorded was truncated towards w_avg
+                                truncation_centre=a.truncation_centre or meta.get("truncation_centre") or "global")
     elif backend == "diffusion":
         from pipelines.diffusion import params_from_png
 
@@ -93,7 +100,8 @@ def _request_from_args(a: argparse.Namespace, flags: OptimizationFlags) -> Gener
         seeds = parse_seeds(a.seeds if a.seeds is not None else (a.seed if a.seed is not None else "0"))
         params = StyleGANParams(seeds=seeds, truncation_psi=a.truncation, truncation_cutoff=a.truncation_cutoff,
                                 noise_mode=a.noise_mode, class_index=a.class_index,
-                                batch_size=8 if a.batch_size is None else a.batch_size)
+                                batch_size=8 if a.batch_size is None else a.batch_size,
+                                truncation_centre="class" if a.truncation_centre is None else a.truncation_centre)
     else:
         if a.prompt is None:
             raise InputError("the diffusion backend needs --prompt TEXT")

@@ -162,6 +162,8 @@ def to_a1111_text(params: dict[str, Any]) -> str:
         kv.append(f"Model: {Path(str(params['model'])).stem}")
     if params.get("truncation_psi") is not None:
         kv.append(f"Truncation psi: {params['truncation_psi']}")
+    if params.get("truncation_centre"):
+        kv.append(f"Truncation centre: {params['truncation_centre']}")
     kv.append(f"Backend: {params.get('backend', '?')}")
     kv.append("Version: atelier")
     if not any(k.startswith("Steps") for k in kv):

@@ -19,6 +19,9 @@ from core.errors import Cancelled, InputError
 BACKENDS = ("stylegan", "diffusion")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 NOISE_MODES = ("const", "random", "none")
+# what truncation pulls w towards: the class's own mean w (class-conditional models) or the running mean w_avg
+# tracked over all classes in training (models/class_centres.py says why)
+TRUNCATION_CENTRES = ("class", "global")
 SEED_MAX = 2**32 - 1
 
 
@@ -121,6 +124,7 @@ class StyleGANParams:
     noise_mode: str = "const"
     class_index: int | str | None = None  # an index, or a class name the model's file lists (resolved by the pipeline)
     batch_size: int = 8                 # images per forward pass
+    truncation_centre: str = "class"    # class | global; unconditional models always truncate towards w_avg (global)
 
     def __post_init__(self):
         object.__setattr__(self, "seeds", tuple(check_seed(s) for s in self.seeds))
@@ -132,6 +136,11 @@ class StyleGANParams:
             raise InputError(f"noise mode must be one of {', '.join(NOISE_MODES)}; got {self.noise_mode!r}")
         if self.truncation_cutoff is not None and int(self.truncation_cutoff) < 0:
             raise InputError("truncation cutoff must be a non-negative layer count")
+        centre = str(self.truncation_centre).strip().lower() if isinstance(self.truncation_centre, str) else None
+        if centre not in TRUNCATION_CENTRES:
+            raise InputError(f"truncation centre must be 'class' (towards each class's own mean w) or 'global' "
+                             f"(towards the model's mean w over all classes); got {self.truncation_centre!r}")
+        object.__setattr__(self, "truncation_centre", centre)
         if isinstance(self.class_index, str):
             text = self.class_index.strip()
             object.__setattr__(self, "class_index", None if not text else int(text)

@@ -86,11 +86,31 @@ def load_state_strict(module: torch.nn.Module, state: dict, what: str) -> None:
     module.load_state_dict(state, strict=True)
 
 
-def truncate(w_avg: torch.Tensor, w: torch.Tensor, psi) -> torch.Tensor:
-    """w_avg + psi * (w - w_avg), computed in w_avg's dtype and returned in w's.
+def truncate(centre: torch.Tensor, w: torch.Tensor, psi) -> torch.Tensor:
+    """centre + psi * (w - centre), computed in centre's dtype and returned in w's.
 
-    Under autocast the mapping network's output is bf16/fp16 while the tracked mean stays fp32;
-    lerp needs one dtype, and the mean is better kept exact than rounded to the autocast type."""
+    `centre` is the tracked mean w_avg [w_dim] (the classic truncation trick), or one centre per sample
+    [N, w_dim] (class-centred truncation: models/class_centres.py), which then applies to each of a sample's
+    ws [N, num_ws, w_dim] alike. Under autocast the mapping network's output is bf16/fp16 while the centre stays
+    fp32; lerp needs one dtype, and the centre is better kept exact than rounded to the autocast type."""
+    if centre.dim() == 2 and w.dim() == 3:
+        centre = centre.unsqueeze(1)
     if isinstance(psi, torch.Tensor):
-        psi = psi.to(w_avg.dtype)
-    return w_avg.lerp(w.to(w_avg.dtype), psi).to(w.dtype)
+        psi = psi.to(centre.dtype)
+    return centre.lerp(w.to(centre.dtype), psi).to(w.dtype)
+
+
+def truncation_centre_for(w_avg: torch.Tensor | None, centre: torch.Tensor | None, n: int, w_dim: int) -> torch.Tensor:
+    """What a mapping network truncates towards: `centre` when given (checked: [w_dim] or one row per sample,
+    [n, w_dim]; as float32, the dtype w_avg is kept in), else the tracked mean `w_avg`."""
+    if centre is None:
+        if w_avg is None:
+            raise InputError("truncation needs the running mean of w, which this mapping network does not track; "
+                             "pass a truncation centre")
+        return w_avg
+    if not isinstance(centre, torch.Tensor):
+        raise InputError(f"the truncation centre must be a tensor of shape [{w_dim}] or [{n}, {w_dim}]")
+    if tuple(centre.shape) not in ((w_dim,), (n, w_dim)):
+        raise InputError(f"the truncation centre has shape {list(centre.shape)}; expected [{w_dim}] (one for all) "
+                         f"or [{n}, {w_dim}] (one per sample)")
+    return centre.to(w_avg.dtype if w_avg is not None else torch.float32)

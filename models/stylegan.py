@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ PICKLE_SUFFIXES = (".pkl",)
 TORCH_SUFFIXES = (".pt", ".ckpt", ".pth")
 OUR_SUFFIXES = (".safetensors", ".json")
 _HEADER_KEY = "atelier_config"  # where the JSON config sits in the safetensors header
+_CENTRES_LOCK = threading.Lock()  # LoadedGenerator.class_centres: one cache per model, however many threads ask
 
 
 @dataclass
@@ -63,10 +65,22 @@ class LoadedGenerator:
     source: Path                       # the file it was loaded from
     sha256: str                        # hex digest of that file (short form: `short_hash`)
     metadata: dict = field(default_factory=dict)  # z_dim, c_dim, w_dim, num_ws, resolution, img_channels + saved extras
+    _centres: Any = field(default=None, init=False, repr=False, compare=False)   # models.class_centres.ClassCentres
 
     @property
     def short_hash(self) -> str:
         return self.sha256[:10]
+
+    def class_centres(self):
+        """The per-class w centres of this class-conditional generator (models.class_centres.ClassCentres): kept
+        with the loaded model, so a class's centre is computed once per load, the first time a request draws it.
+        A new one is started when `G` (or its mapping network) has been replaced. InputError when unconditional."""
+        from models.class_centres import ClassCentres
+
+        with _CENTRES_LOCK:
+            if self._centres is None or self._centres.mapping is not self.G.mapping:
+                self._centres = ClassCentres(self.G.mapping)
+            return self._centres
 
     @property
     def c_dim(self) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from core.errors import InputError, ModelLoadError
 from models.arch_limits import build_and_load
-from models.common import jsonable, load_state_strict, truncate  # noqa: F401  (re-exported)
+from models.common import jsonable, load_state_strict, truncate, truncation_centre_for  # noqa: F401  (re-exported)
 from models.ops import (
     FullyConnectedLayer,
     activation_gain,
@@ -166,7 +166,9 @@ class MappingNetwork(torch.nn.Module):
             self.register_buffer("w_avg", torch.zeros([w_dim]))
 
     def forward(self, z, c, truncation_psi: float = 1, truncation_cutoff: int | None = None,
-                update_emas: bool = False) -> torch.Tensor:
+                update_emas: bool = False, truncation_centre: torch.Tensor | None = None) -> torch.Tensor:
+        """truncation_centre: what psi pulls w towards, [w_dim] or one per sample [N, w_dim] (a class's own mean
+        w: models/class_centres.py); None = the tracked mean w_avg, NVlabs' truncation."""
         x = None
         if self.z_dim > 0:
             assert_shape(z, [None, self.z_dim], "z")
@@ -190,15 +192,15 @@ class MappingNetwork(torch.nn.Module):
             x = x.unsqueeze(1).repeat([1, self.num_ws, 1])
 
         if truncation_psi != 1:
-            if self.w_avg_beta is None:
-                raise InputError("truncation needs the running mean of w, which this mapping network does not track")
+            centre = truncation_centre_for(getattr(self, "w_avg", None) if self.w_avg_beta is not None else None,
+                                           truncation_centre, x.shape[0], self.w_dim)
             if self.num_ws is None or truncation_cutoff is None:
-                x = truncate(self.w_avg, x, truncation_psi)
+                x = truncate(centre, x, truncation_psi)
             else:
                 # Only the first `cutoff` ws (coarse layers) move towards the mean; built
                 # out of place so it stays differentiable and free of in-place writes.
                 cutoff = int(truncation_cutoff)
-                head = truncate(self.w_avg, x[:, :cutoff], truncation_psi)
+                head = truncate(centre, x[:, :cutoff], truncation_psi)
                 x = torch.cat([head, x[:, cutoff:]], dim=1)
         return x
 
@@ -500,14 +502,15 @@ class Generator(torch.nn.Module):
 
     def forward(self, z, c=None, truncation_psi: float = 1, truncation_cutoff: int | None = None,
                 noise_mode: str = "const", force_fp32: bool = False, fused_modconv=None,
-                update_emas: bool = False) -> torch.Tensor:
-        """noise_mode defaults to 'const' (same seed, same image); training passes 'random'."""
+                update_emas: bool = False, truncation_centre: torch.Tensor | None = None) -> torch.Tensor:
+        """noise_mode defaults to 'const' (same seed, same image); training passes 'random'.
+        truncation_centre: see MappingNetwork.forward (None = w_avg)."""
         if c is None:
             if self.c_dim > 0:
                 raise InputError(f"this generator is conditional: give a class label c of shape [N, {self.c_dim}]")
             c = z.new_zeros([z.shape[0], 0])
         ws = self.mapping(z, c, truncation_psi=truncation_psi, truncation_cutoff=truncation_cutoff,
-                          update_emas=update_emas)
+                          update_emas=update_emas, truncation_centre=truncation_centre)
         img = self.synthesis(ws, noise_mode=noise_mode, force_fp32=force_fp32, fused_modconv=fused_modconv,
                              update_emas=update_emas)
         return img

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from core.errors import InputError, ModelLoadError
 from models import ops
 from models.arch_limits import build_and_load
-from models.common import jsonable, load_state_strict, truncate  # noqa: F401
+from models.common import jsonable, load_state_strict, truncate, truncation_centre_for  # noqa: F401
 
 __all__ = [
     "ARCH",
@@ -442,7 +442,8 @@ class FullyConnectedLayer(torch.nn.Module):
 
 
 class MappingNetwork(torch.nn.Module):
-    """z (+ label) -> w, broadcast to num_ws copies, with truncation towards the tracked mean w_avg."""
+    """z (+ label) -> w, broadcast to num_ws copies, with truncation towards the tracked mean w_avg (or a given
+    centre, e.g. a class's own mean w: models/class_centres.py)."""
 
     def __init__(
         self,
@@ -476,6 +477,7 @@ class MappingNetwork(torch.nn.Module):
         truncation_psi: float | torch.Tensor = 1.0,  # 1 = no truncation; a 0-d tensor is fine
         truncation_cutoff: int | None = None,        # truncate only the first this many ws, None = all
         update_emas: bool = False,
+        truncation_centre: torch.Tensor | None = None,  # [w_dim] or [N, w_dim] (a class's mean w), None = w_avg
     ) -> torch.Tensor:                               # [N, num_ws, w_dim]
         _assert_shape(z, [None, self.z_dim], "z")
         if truncation_cutoff is None:
@@ -507,7 +509,8 @@ class MappingNetwork(torch.nn.Module):
         # A tensor psi always takes the lerp, so a compiled graph serves every psi without re-tracing.
         if isinstance(truncation_psi, torch.Tensor) or truncation_psi != 1:
             cut = int(truncation_cutoff)
-            truncated = truncate(self.w_avg, ws[:, :cut], truncation_psi)
+            centre = truncation_centre_for(self.w_avg, truncation_centre, ws.shape[0], self.w_dim)
+            truncated = truncate(centre, ws[:, :cut], truncation_psi)
             ws = torch.cat([truncated, ws[:, cut:]], dim=1)
         return ws
 
@@ -825,9 +828,10 @@ class Generator(torch.nn.Module):
         truncation_cutoff: int | None = None, # truncate only the first this many ws, None = all
         noise_mode: str = "const",
         update_emas: bool = False,
+        truncation_centre: torch.Tensor | None = None,  # what psi pulls towards: MappingNetwork.forward
     ) -> torch.Tensor:                        # [N, img_channels, img_resolution, img_resolution]
         ws = self.mapping(z, c, truncation_psi=truncation_psi, truncation_cutoff=truncation_cutoff,
-                          update_emas=update_emas)
+                          update_emas=update_emas, truncation_centre=truncation_centre)
         return self.synthesis(ws, noise_mode=noise_mode, update_emas=update_emas)
 
 

@@ -1,6 +1,10 @@
 """StyleGAN2/3 generation: seeds -> z -> images, truncation, classes, noise modes,
 style mixing and latent interpolation.
 
+Truncation pulls w towards a centre: a class-conditional model's own class mean w by default
+(`truncation_centre="class"`, models/class_centres.py), or the model's running mean w_avg ("global",
+NVlabs' truncation and what an unconditional model always uses).
+
 Seeds map to z exactly as NVlabs' gen_images.py does
 (`np.random.RandomState(seed).randn(1, z_dim)`), so seeds match published galleries.
 """
@@ -92,10 +96,29 @@ class StyleGANPipeline:
     def _noise_mode(self, mode: str) -> str:
         return mode
 
-    def _synthesize(self, z: torch.Tensor, c: torch.Tensor, p: StyleGANParams) -> torch.Tensor:
+    # -- truncation centre: the class's own mean w, or the global w_avg ---------------------
+    def truncation_centre(self, p: StyleGANParams) -> str:
+        """The centre `p`'s truncation uses with this model (what an image's metadata records): 'class' or
+        'global' as asked for a conditional model, always 'global' for an unconditional one."""
+        return p.truncation_centre if self.loaded.G.c_dim > 0 else "global"
+
+    def _centre_kw(self, p: StyleGANParams, classes: list[int | None] | None, c: torch.Tensor | None = None) -> dict:
+        """Extra keyword for the generator / mapping call: each image's class centre ([N, w_dim]) when `p` asks
+        for class-centred truncation of a conditional model at psi != 1; else nothing, so the call is exactly the
+        w_avg one. `classes`: each image's class (None: read from the one-hot labels `c`). Computed outside the
+        precision runtime: the centres are float32 whatever the flags."""
+        if self.truncation_centre(p) != "class" or float(p.truncation_psi) == 1:
+            return {}
+        if classes is None:
+            classes = c.argmax(dim=1).tolist()
+        return {"truncation_centre": self.loaded.class_centres()([int(k) for k in classes])}
+
+    def _synthesize(self, z: torch.Tensor, c: torch.Tensor, p: StyleGANParams,
+                    classes: list[int | None] | None = None) -> torch.Tensor:
+        centre = self._centre_kw(p, classes, c)
         with self._running():
             img = self.G(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff,
-                         noise_mode=p.noise_mode)
+                         noise_mode=p.noise_mode, **centre)
         return img.float()
 
     # -- the main entry point --------------------------------------------------------
@@ -123,8 +146,9 @@ class StyleGANPipeline:
         with job.stage("synthesis"):
             for b in range(n_batches):
                 zb = torch.from_numpy(zs[b * p.batch_size:(b + 1) * p.batch_size]).to(self.device, non_blocking=True)
-                img = self._synthesize(zb, self._label(p.class_index, len(zb),
-                                                       p.seeds[b * p.batch_size:(b + 1) * p.batch_size]), p)
+                seeds_b = list(p.seeds[b * p.batch_size:(b + 1) * p.batch_size])
+                img = self._synthesize(zb, self._label(p.class_index, len(zb), seeds_b), p,
+                                       self.classes_for(p.class_index, seeds_b))
                 finite.append(torch.isfinite(img).all())
                 pixels.append(to_uint8_array(img))
                 outs.append(img.cpu())
@@ -146,6 +170,7 @@ class StyleGANPipeline:
         meta_common = {
             "backend": "stylegan", "model": self.model_id, "model_hash": self.loaded.sha256[:10],
             "arch": self.loaded.arch, "truncation_psi": float(p.truncation_psi),
+            "truncation_centre": self.truncation_centre(p),
             "truncation_cutoff": p.truncation_cutoff, "noise_mode": p.noise_mode, "class_index": p.class_index,
             "width": int(raw.shape[-1]), "height": int(raw.shape[-2]),
             "flags": request.flags.to_dict(), "latency_ms": round(total_ms, 3),
@@ -176,8 +201,10 @@ class StyleGANPipeline:
         seeds = list(dict.fromkeys(list(row_seeds) + list(col_seeds)))
         z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
         c = self._label(p.class_index, len(seeds), seeds)
+        centre = self._centre_kw(p, self.classes_for(p.class_index, seeds))
         with torch.no_grad(), self._running():
-            ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
+            ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff,
+                                **centre)
             w_of = {s: ws[i] for i, s in enumerate(seeds)}
             pairs = [(r, cc) for r in row_seeds for cc in col_seeds]
             mixed = torch.stack([w_of[cc].clone() for r, cc in pairs])
@@ -209,10 +236,14 @@ class StyleGANPipeline:
         G = self.loaded.G
         z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in seeds])).to(self.device)
         c = self._label(p.class_index, len(seeds), seeds)
+        centre = self._centre_kw(p, self.classes_for(p.class_index, seeds))
+        # a Z-space frame maps with the first seed's label (c[:1]), so it truncates towards that class's centre
+        centre_z = {k: v[:1] for k, v in centre.items()}
         frames = []
         total = len(seeds) * frames_per_seed
         with torch.no_grad(), self._running():
-            ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff)
+            ws = self.G.mapping(z, c, truncation_psi=float(p.truncation_psi), truncation_cutoff=p.truncation_cutoff,
+                                **centre)
             k = 0
             for i in range(len(seeds)):
                 j = (i + 1) % len(seeds)
@@ -221,7 +252,7 @@ class StyleGANPipeline:
                     if space == "z":
                         zt = _slerp(z[i:i + 1], z[j:j + 1], t)
                         w = self.G.mapping(zt, c[:1], truncation_psi=float(p.truncation_psi),
-                                           truncation_cutoff=p.truncation_cutoff)
+                                           truncation_cutoff=p.truncation_cutoff, **centre_z)
                     else:
                         w = torch.lerp(ws[i:i + 1], ws[j:j + 1], t)
                     img = self.G.synthesis(w, noise_mode="const" if p.noise_mode == "random" else p.noise_mode)

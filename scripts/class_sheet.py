@@ -3,7 +3,9 @@
     python3 scripts/class_sheet.py assets/models/emoji64.safetensors docs/images/emoji64_classes.png [--seeds 4 --cols 7]
 
 Seeds 0..N-1 at psi = 0.7 (the studio's seed -> z rule), every class drawn with the same seeds, so a row of a
-panel differs only by class. Panels are labelled with the last part of the class name the model's file records
+panel differs only by class. Truncation pulls towards each class's own mean w, as the studio does by default
+(`--truncation-centre global`: towards the model's mean w over all classes, as docs/images/emoji64_classes.png
+was drawn). Panels are labelled with the last part of the class name the model's file records
 ("face-smiling"), or the index when it names none: the names are what `--class` and the studio's Class box take.
 """
 from __future__ import annotations
@@ -23,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=4, help="samples per class (seeds 0..N-1)")
     ap.add_argument("--cols", type=int, default=7, help="panels per row")
     ap.add_argument("--truncation", type=float, default=0.7)
+    ap.add_argument("--truncation-centre", "--truncation-center", dest="truncation_centre", default="class",
+                    choices=("class", "global"),
+                    help="what psi pulls towards: each class's own mean w (default) or the global w_avg")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--colors", type=int, default=256,
                     help="palette size of the PNG (256: a quarter of the bytes, no visible change here; 0: full colour)")
@@ -55,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for k in range(G.c_dim):
             c = torch.nn.functional.one_hot(torch.full((a.seeds,), k), G.c_dim).float().to(a.device)
-            imgs = to_uint8_images(G(z, c, truncation_psi=a.truncation, noise_mode="const").float().cpu())
+            centre = ({"truncation_centre": loaded.class_centres()([k] * a.seeds)}
+                      if a.truncation_centre == "class" and a.truncation != 1 else {})
+            imgs = to_uint8_images(G(z, c, truncation_psi=a.truncation, noise_mode="const", **centre).float().cpu())
             x0, y0 = pad + (k % a.cols) * (pw + pad), pad + (k // a.cols) * (ph + pad)
             draw.text((x0, y0), f"{k} {labels[k]}"[: pw // 6], fill=(40, 40, 40))
             for i, im in enumerate(imgs):
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.colors:
         sheet = sheet.quantize(colors=min(256, a.colors), method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
     sheet.save(a.out, optimize=True)
-    print(f"wrote {a.out}: {G.c_dim} classes x {a.seeds} seeds, psi = {a.truncation}")
+    print(f"wrote {a.out}: {G.c_dim} classes x {a.seeds} seeds, psi = {a.truncation} "
+          f"(centre: {a.truncation_centre})")
     return 0
 
 

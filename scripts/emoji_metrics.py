@@ -5,6 +5,10 @@ in the emoji classifier's features, per snapshot, against kimg.
                                     [--out metrics.json] [--plot metrics.png]
     python scripts/emoji_metrics.py --generator assets/models/emoji64.safetensors --truncation 0.7
 
+A class-conditional snapshot's truncation (--truncation < 1) pulls towards each class's own mean w by default, as
+the studio does (--truncation-centre global: towards the model's mean w over all classes, as results made before the
+option were); the JSON records the centre, per snapshot the one used (an unconditional one: always global).
+
 --snapshots takes a folder (every G_ema-*.safetensors in it), a glob or files;
 each is loaded with models.stylegan.load_generator, its kimg read from the name
 ("G_ema-000200kimg") or the JSON's metadata. Every snapshot sees the same latents
@@ -80,9 +84,10 @@ def _bar(total: int, desc: str, enabled: bool):
 @torch.no_grad()
 def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, truncation: float, seed: int,
                        device: torch.device, desc: str = "", progress: bool = True,
-                       labels: np.ndarray | None = None) -> np.ndarray:
+                       labels: np.ndarray | None = None, centres=None) -> np.ndarray:
     """Classifier features of n samples. A class-conditional G draws each sample's class from `labels` (the data
-    set's per-image class indices), so the classes come in the data's proportions, as NVlabs' metrics do."""
+    set's per-image class indices), so the classes come in the data's proportions, as NVlabs' metrics do.
+    `centres` (models.class_centres.ClassCentres): truncate towards each sample's class centre instead of w_avg."""
     c_dim = int(getattr(G, "c_dim", 0))
     if c_dim and labels is None:
         raise InputError("this generator is class-conditional: the metric needs the data set's labels for its classes")
@@ -93,11 +98,13 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
     for i in range(0, n, batch):
         b = min(batch, n - i)
         z = torch.randn([b, G.z_dim], generator=gen, device=device)
-        c = None
+        c, centre = None, {}
         if c_dim:
             pick = torch.randint(0, len(pool), (b,), generator=gen, device=device)
             c = torch.nn.functional.one_hot(pool[pick], c_dim).float()
-        img = G(z, c, truncation_psi=truncation, noise_mode="const")
+            if centres is not None and truncation != 1:
+                centre = {"truncation_centre": centres(pool[pick].tolist())}
+        img = G(z, c, truncation_psi=truncation, noise_mode="const", **centre)
         out.append(features(quantize(img), classifier, batch=batch))
         if bar is not None:
             bar.update(b)
@@ -139,7 +146,9 @@ def plot(result: dict, path: Path) -> str:
         if key != "fd":
             ax.set_ylim(0, 1.02)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{result['n']} samples per snapshot, truncation {result['truncation']:g}, seed {result['seed']}",
+    centre = result.get("truncation_centre") if result["truncation"] != 1 else None
+    centre = f" ({centre} centre)" if centre else ""
+    fig.suptitle(f"{result['n']} samples per snapshot, truncation {result['truncation']:g}{centre}, seed {result['seed']}",
                  fontsize=9)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -168,7 +177,8 @@ def run(args) -> dict:
         "metric": "emoji classifier features: Fréchet distance, improved precision/recall (Kynkäänniemi et al. 2019)",
         "classifier": {"path": str(args.classifier), "sha256": classifier.sha256, "feature_dim": int(real.shape[1])},
         "data": {"path": str(args.data), "images": int(len(real_images)), "sha256": _sha256(Path(args.data))},
-        "n": args.n, "k": args.k, "truncation": args.truncation, "seed": args.seed, "batch": args.batch,
+        "n": args.n, "k": args.k, "truncation": args.truncation, "truncation_centre": args.truncation_centre,
+        "seed": args.seed, "batch": args.batch,
         "device": str(device),
         "reference_floor": reference_floor(real, args.k, args.seed, device),
         "snapshots": [],
@@ -188,9 +198,12 @@ def run(args) -> dict:
                 raise InputError(f"{path} is class-conditional but its metadata names no label key (classes.key)")
             from training.dataset import load_labels
             labels, _ = load_labels(args.labels, key, len(real_images))
+        centre = args.truncation_centre if labels is not None else "global"
         fake = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed, device,
-                                  desc=path.stem, progress=not args.no_progress, labels=labels)
-        row = {"file": str(path), "kimg": kimg, "sha256": loaded.sha256, "fd": frechet_distance(real, fake),
+                                  desc=path.stem, progress=not args.no_progress, labels=labels,
+                                  centres=loaded.class_centres() if centre == "class" else None)
+        row = {"file": str(path), "kimg": kimg, "sha256": loaded.sha256, "truncation_centre": centre,
+               "fd": frechet_distance(real, fake),
                **precision_recall(real, fake, k=args.k, device=device), "seconds": round(time.time() - t, 2)}
         result["snapshots"].append(row)
         del loaded
@@ -229,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=10_000, help="generated samples per snapshot")
     ap.add_argument("--k", type=int, default=3, help="k of the k-NN balls for precision/recall")
     ap.add_argument("--truncation", type=float, default=1.0)
+    ap.add_argument("--truncation-centre", "--truncation-center", dest="truncation_centre", default="class",
+                    choices=("class", "global"),
+                    help="what --truncation < 1 pulls towards for a class-conditional snapshot: each class's own mean "
+                         "w (default) or the model's mean w over all classes (w_avg)")
     ap.add_argument("--seed", type=int, default=0, help="latents (the same for every snapshot) and the floor's split")
     ap.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     ap.add_argument("--batch", type=int, default=500)

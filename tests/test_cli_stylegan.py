@@ -51,6 +51,7 @@ def test_png_grid_carries_parameters_and_reproduces(testdata, tmp_path):
     assert im.size == (128, 128)   # 2x2 grid of 64px images
     meta = json.loads(im.text["atelier"])
     assert meta["seeds"] == [0, 1, 2, 3] and meta["class_index"] == 2 and meta["truncation_psi"] == 0.7
+    assert meta["truncation_centre"] == "class"     # a conditional pickle: the class's own mean w by default
     again = tmp_path / "again.png"
     rc, so, se = run_cli("generate", "--from-png", png, "--out", again, "--quiet")
     assert rc == 0, se
@@ -61,6 +62,7 @@ def test_png_grid_carries_parameters_and_reproduces(testdata, tmp_path):
     (["--model", "/no/such/file.pkl"], "not found"),
     (["--seed", "4294967296"], "seed must be an integer"),
     (["--truncation", "nan"], "finite"),
+    (["--truncation-centre", "middle"], "truncation centre must be 'class'"),
     (["--class-index", "7"], "out of range"),
     (["--out", "x.jpg"], "must end in .png or .npy"),
 ])

@@ -256,6 +256,8 @@ def test_snapshot_script_end_to_end(tmp_path, small_data):
     floor = doc["reference_floor"]
     assert floor["images_per_side"] == [150, 150] and floor["fd"] > 0 and floor["precision"] > 0.5
     assert doc["n"] == 40 and doc["k"] == 3 and doc["classifier"]["feature_dim"] == 192
+    # the centre asked for, and per snapshot the one used: an unconditional generator has only the global one
+    assert doc["truncation_centre"] == "class" and {r["truncation_centre"] for r in doc["snapshots"]} == {"global"}
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -305,5 +307,16 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
     assert emoji_metrics.main(["--snapshots", str(tmp_path / "cond"), *base, "--out", str(out)]) == 0
     row = json.loads(out.read_text())["snapshots"][0]
     assert row["kimg"] == 40.0 and row["fd"] > 0 and 0 <= row["recall"] <= 1
+    # truncated: towards each class's own mean w by default, or the global w_avg; the JSON says which
+    rows = {}
+    for centre in ("class", "global"):
+        o = tmp_path / f"psi07-{centre}.json"
+        assert emoji_metrics.main(["--snapshots", str(tmp_path / "cond"), *base, "--truncation", "0.7",
+                                   "--truncation-centre", centre, "--out", str(o)]) == 0
+        doc = json.loads(o.read_text())
+        assert doc["truncation"] == 0.7 and doc["truncation_centre"] == centre
+        rows[centre] = doc["snapshots"][0]
+        assert rows[centre]["truncation_centre"] == centre
+    assert rows["class"]["fd"] != pytest.approx(rows["global"]["fd"], rel=1e-6)
     # without the label key in its metadata the script cannot know which classes the generator was trained on
     assert emoji_metrics.main(["--snapshots", str(tmp_path / "nokey"), *base]) == 2

@@ -358,6 +358,9 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert rc == 2 and "unknown metric 'sharpness'" in one_error_line(se)
     rc, _, se = run_cli("--real", tmp_path / "imgs", "--metrics", "fid", env=env)
     assert rc == 2 and "--fake" in one_error_line(se)
+    rc, _, se = run_cli("--real", tmp_path / "imgs", "--model", "emoji64", "--num", 2, "--metrics", "fid",
+                        "--truncation-centre", "middle", env=env)
+    assert rc == 2 and "truncation centre must be 'class'" in one_error_line(se)
 
 
 @pytest.mark.slow
@@ -375,6 +378,7 @@ def test_cli_samples_a_model_and_writes_json(testdata, inception_file, lpips_ale
     summary = json.loads(so.strip().splitlines()[-1])
     assert summary == json.loads(out.read_text())
     assert summary["n_fake"] == 3 and summary["n_real"] == 2 and summary["fake"]["seeds"] == [0, 2]
+    assert summary["fake"]["truncation_centre"] == "global"      # an unconditional model: always the global mean
     for key in ("fid", "kid_mean", "kid_std", "is_mean", "is_std", "lpips_diversity"):
         assert isinstance(summary[key], float) and np.isfinite(summary[key]), key
     assert summary["is_mean"] >= 1.0 and summary["lpips_diversity"] > 0

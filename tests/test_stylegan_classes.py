@@ -138,6 +138,10 @@ def test_class_sheet_draws_one_labelled_panel_per_class(tmp_path):
     assert all(panel(k).std() > 1 for k in range(5))                     # every panel has a picture
     assert np.abs(panel(0) - panel(1)).mean() > 0.5                       # another class, another picture
     assert (im[-pad:, :] == 255).all()                                    # the margin stays white
+    # truncated towards each class's own mean w by default; --truncation-centre global: towards w_avg
+    assert sheet.main([str(model), str(tmp_path / "g.png"), "--seeds", "3", "--cols", "2", "--colors", "0",
+                       "--truncation-centre", "global"]) == 0
+    assert np.abs(np.asarray(Image.open(tmp_path / "g.png").convert("RGB")).astype(int) - im).mean() > 0.1
     with pytest.raises(InputError, match="unconditional"):
         G0 = stylegan2.Generator(z_dim=8, c_dim=0, w_dim=8, img_resolution=16, img_channels=3,
                                  mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)

@@ -149,17 +149,23 @@ def test_style_mix_and_interpolation(client):
 
 
 def test_conditional_model_and_clear_errors(client):
-    gallery = client.predict(backend="stylegan", model=str(SG_COND), seed="0", class_index="2", api_name="/generate")[0]
-    assert read_png_params(gallery_paths(gallery)[0])["class_index"] == 2
+    gallery = client.predict(backend="stylegan", model=str(SG_COND), seed="0", class_index="2",
+                             truncation_centre="global", api_name="/generate")[0]
+    saved = read_png_params(gallery_paths(gallery)[0])
+    assert saved["class_index"] == 2 and saved["truncation_centre"] == "global"
     from ui.studio import CONTROL_NAMES
 
     sent = client.predict(api_name="/send_back")             # the class goes back as text, the model with it
     assert sent[CONTROL_NAMES.index("class_index")] == "2"
+    assert sent[CONTROL_NAMES.index("truncation_centre")] == "global"
     assert sent[CONTROL_NAMES.index("model")]["value"] == str(SG_COND)
     with pytest.raises(Exception, match="unconditional"):
         client.predict(backend="stylegan", model=str(SG_UNCOND), seed="0", class_index="1", api_name="/generate")
     with pytest.raises(Exception, match="seed"):
         client.predict(backend="stylegan", seed="zero", api_name="/generate")
+    with pytest.raises(Exception, match=r"'middle'.* not in the list of choices: \['class', 'global'\]"):
+        client.predict(backend="stylegan", model=str(SG_COND), seed="0", truncation_centre="middle",
+                       api_name="/generate")    # refused by the radio itself (job_spec would say the same in words)
     with pytest.raises(Exception, match="not found"):
         client.predict(backend="stylegan", model="/nope/missing.pkl", seed="0", api_name="/generate")
 

@@ -464,3 +464,13 @@ def test_class_dropdown_lists_a_conditional_models_classes(page):
     page.wait_for_function("document.querySelector('#selected-params').innerText.includes('animal-mammal')")
     params = page.inner_text("#selected-params")
     assert re.search(r'"class_index"\s*:\s*32', params), params
+    # ψ pulls towards the class's own mean by default; the ψ centre radio next to the slider asks for the global one
+    assert re.search(r'"truncation_centre"\s*:\s*"class"', params), params
+    page.locator("#psi-centre label", has_text="Global").click()
+    fill(page, "seed-input", "5")
+    page.click("#generate-btn")
+    wait_progress(page, r"Done: 1 image")
+    page.wait_for_function("[...document.querySelectorAll('#output-gallery .caption-label')]"
+                           ".some(e => e.innerText.includes('seed 5'))")
+    page.locator("#output-gallery img").first.click()
+    page.wait_for_function("document.querySelector('#selected-params').innerText.includes('\"global\"')")

@@ -39,10 +39,10 @@ def _values(**given) -> list:
 # -- the request object ---------------------------------------------------------------------------
 def test_the_form_fields_are_the_control_names_in_order():
     assert tuple(f.name for f in fields(StudioForm)) == CONTROL_NAMES
-    assert len(CONTROL_NAMES) == len(set(CONTROL_NAMES)) == 40
-    # toggles added later go last, so positional API calls written before them keep working
-    assert CONTROL_NAMES[:3] == ("backend", "model", "seed") and CONTROL_NAMES[-5:] == (
-        "memory_savers", "fuse_qkv", "request_graph", "tiny_vae", "preview_method")
+    assert len(CONTROL_NAMES) == len(set(CONTROL_NAMES)) == 41
+    # controls added later go last, so positional API calls written before them keep working
+    assert CONTROL_NAMES[:3] == ("backend", "model", "seed") and CONTROL_NAMES[-6:] == (
+        "memory_savers", "fuse_qkv", "request_graph", "tiny_vae", "preview_method", "truncation_centre")
 
 
 def test_form_from_values_maps_each_value_to_its_field():
@@ -53,9 +53,9 @@ def test_form_from_values_maps_each_value_to_its_field():
 
 
 def test_a_wrong_number_of_values_is_a_clear_error():
-    with pytest.raises(TypeError, match=r"takes 40 control values.*got 38 \(missing tiny_vae, preview_method\)"):
+    with pytest.raises(TypeError, match=r"takes 41 control values.*got 39 \(missing preview_method, truncation_centre\)"):
         form_from_values(_values()[:-2])
-    with pytest.raises(TypeError, match=r"got 41 \(1 value\(s\) too many\)"):
+    with pytest.raises(TypeError, match=r"got 42 \(1 value\(s\) too many\)"):
         form_from_values(_values() + ["x"])
     with pytest.raises(TypeError, match="not studio controls: colour, sed"):
         form_from_named({"backend": "stylegan", "sed": "1", "colour": "red"})

@@ -39,13 +39,19 @@ def _load_g_ema(run: Path) -> tuple[torch.nn.Module, dict]:
 
 @torch.no_grad()
 def render_seeds(G: torch.nn.Module, seeds: list[int], psi: float = 0.7, batch: int = 16) -> np.ndarray:
-    """uint8 [N, R, R, 3] for `seeds`, z = RandomState(seed).randn(z_dim) as the studio does."""
+    """uint8 [N, R, R, 3] for `seeds`, z = RandomState(seed).randn(z_dim) as the studio does; a conditional G
+    truncated towards each class's own mean w, the studio's default (models/class_centres.py)."""
+    from models.class_centres import ClassCentres
+
+    c_dim = int(getattr(G, "c_dim", 0))
+    centres = ClassCentres(G.mapping) if c_dim and psi != 1 else None
     out = []
     for i in range(0, len(seeds), batch):
         part = seeds[i:i + batch]
         z = np.concatenate([np.random.RandomState(s).randn(1, G.z_dim) for s in part])
-        c = seed_class_labels(int(getattr(G, "c_dim", 0)), part)    # conditional: seed s draws class s % c_dim
-        img = G(torch.from_numpy(z).float(), c, truncation_psi=psi, noise_mode="const")
+        c = seed_class_labels(c_dim, part)    # conditional: seed s draws class s % c_dim
+        extra = {"truncation_centre": centres([s % c_dim for s in part])} if centres is not None else {}
+        img = G(torch.from_numpy(z).float(), c, truncation_psi=psi, noise_mode="const", **extra)
         out.append(to_uint8_hwc(img))
     return np.concatenate(out)
 
@@ -306,7 +312,8 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
             shown = shown.resolve().relative_to(Path(__file__).resolve().parent.parent)
         except ValueError:
             pass
-        lines += ["", "## Samples", "", f"Seeds 0-63, truncation psi = {meta['recommended_truncation']}: "
+        centre = " (conditional: towards each class's own mean w, the studio's default)" if cfg.c_dim else ""
+        lines += ["", "## Samples", "", f"Seeds 0-63, truncation psi = {meta['recommended_truncation']}{centre}: "
                   f"`{shown}`", "",
                   f"    python app.py generate --backend stylegan --seeds 0-63 --truncation "
                   f"{meta['recommended_truncation']} --out grid.png"]

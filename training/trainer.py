@@ -408,7 +408,7 @@ class Trainer:
         self.step = int(step) if step is not None else self.cur_nimg // self.cfg.batch
         self.d_updates = self.g_updates = self.step
         self.train_seconds = float(progress["train_seconds"] or 0.0)
-        self.say(f"[init] G and G_ema from {path} ({kimg:g} kimg); D starts fresh"
+        self.say(f"[init] G and G_ema from {path} ({kimg:g} kimg)" + ("" if self.cfg.init_d else "; D starts fresh")
                  + (f", alone for {self.cfg.freeze_g_kimg:g} kimg" if self.cfg.freeze_g_kimg else ""))
         return {"kind": "init_g", "kimg": round(kimg, 3), "from": str(path), "sha256": loaded.sha256,
                 "freeze_g_kimg": self.cfg.freeze_g_kimg}

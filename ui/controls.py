@@ -101,10 +101,12 @@ def flags_from_controls(precision: str = "fp32", channels_last: bool = False, at
                              request_graph=bool(request_graph), tiny_vae=bool(tiny_vae))
 
 
-def stylegan_params(seed_text: str, psi: float, cutoff, noise_mode: str, class_index, batch_size) -> StyleGANParams:
+def stylegan_params(seed_text: str, psi: float, cutoff, noise_mode: str, class_index, batch_size,
+                    centre: str | None = "class") -> StyleGANParams:
     return StyleGANParams(seeds=parse_seeds(seed_text or "0"), truncation_psi=float(psi),
                           truncation_cutoff=_opt_int(cutoff) or None, noise_mode=noise_mode or "const",
-                          class_index=_opt_class(class_index), batch_size=max(1, _opt_int(batch_size) or 1))
+                          class_index=_opt_class(class_index), batch_size=max(1, _opt_int(batch_size) or 1),
+                          truncation_centre=centre if centre not in (None, "") else "class")
 
 
 def diffusion_seed(seed_text: str) -> int:
@@ -197,7 +199,8 @@ def job_spec(v: dict[str, Any], device: str | None = None) -> JobSpec:
     if mode not in SG_MODES:
         raise InputError(f"StyleGAN mode must be one of {', '.join(SG_MODES)}; got {mode!r}")
     params = stylegan_params(v.get("seed", "0"), v.get("truncation_psi", 1.0), v.get("truncation_cutoff"),
-                             v.get("noise_mode", "const"), v.get("class_index"), v.get("sg_batch_size", 8))
+                             v.get("noise_mode", "const"), v.get("class_index"), v.get("sg_batch_size", 8),
+                             v.get("truncation_centre", "class"))
     if len(params.seeds) > MAX_SEEDS:
         raise InputError(f"{len(params.seeds)} seeds is too many for one job; keep it under {MAX_SEEDS}")
     request = GenerationRequest("stylegan", model, params, flags, device)
@@ -278,6 +281,8 @@ def controls_from_params(meta: dict[str, Any]) -> dict[str, Any]:
                 out[key] = meta[key]
         out["truncation_cutoff"] = meta.get("truncation_cutoff")
         out["class_index"] = meta.get("class_index")
+        # images saved before the centre was recorded were truncated towards w_avg: restore that
+        out["truncation_centre"] = meta.get("truncation_centre") or "global"
     else:
         for key in ("prompt", "negative_prompt", "steps", "guidance", "scheduler", "strength"):
             if meta.get(key) is not None:

@@ -58,6 +58,8 @@ class StudioForm:
     request_graph: bool | None = None          # diffusion on a GPU: one CUDA graph per request
     tiny_vae: bool | None = None               # diffusion: TAESD decode and previews
     preview_method: str | None = None          # diffusion: what draws live previews (core.types.PREVIEW_METHODS)
+    truncation_centre: str | None = None       # StyleGAN: class | global (what ψ pulls towards; after the toggles,
+                                               # so positional API calls written before it keep their places)
 
     def given(self) -> dict[str, Any]:
         """The controls that carry a value, by name (what `job_spec` reads; the rest take its defaults)."""

@@ -436,6 +436,7 @@ class StudioRuntime:
         p = req.params
         base = {"backend": "stylegan", "model": pipe.model_id, "model_hash": pipe.loaded.sha256[:10],
                 "arch": pipe.loaded.arch, "truncation_psi": float(p.truncation_psi),
+                "truncation_centre": pipe.truncation_centre(p),
                 "truncation_cutoff": p.truncation_cutoff, "noise_mode": p.noise_mode,
                 "class_index": p.class_index, "flags": req.flags.to_dict(), "device": str(pipe.device)}
         if spec.kind == "style-mix":

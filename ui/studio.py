@@ -115,9 +115,17 @@ def build_app(services: Services) -> gr.Blocks:
 
                         # StyleGAN controls
                         with gr.Group(visible=True, elem_id="stylegan-controls") as sg_group:
-                            C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
-                                                            elem_id="psi-input",
-                                                            info="1 = none; lower = closer to the average face")
+                            with gr.Row():
+                                C["truncation_psi"] = gr.Slider(-1.0, 2.0, value=0.7, step=0.05, label="Truncation ψ",
+                                                                elem_id="psi-input", scale=3,
+                                                                info="1 = none; lower = closer to the centre")
+                                # what ψ pulls towards (models/class_centres.py); an unconditional model has no
+                                # class, so it always takes the global mean
+                                C["truncation_centre"] = gr.Radio(
+                                    [("Class", "class"), ("Global", "global")], value="class", label="ψ centre",
+                                    info="class: the class's own mean (conditional models); global: the model's "
+                                         "mean over all classes",
+                                    elem_id="psi-centre", scale=2, min_width=150)
                             with gr.Row():
                                 C["noise_mode"] = gr.Radio(["const", "random", "none"], value="const", label="Noise",
                                                            elem_id="noise-mode", scale=3)
