@@ -4,8 +4,8 @@
 
 Seeds 0..N-1 at psi = 0.7 (the studio's seed -> z rule), every class drawn with the same seeds, so a row of a
 panel differs only by class. Truncation pulls towards each class's own mean w, as the studio does by default
-(`--truncation-centre global`: towards the model's mean w over all classes, as docs/images/emoji64_classes.png
-was drawn). Panels are labelled with the last part of the class name the model's file records
+(`--truncation-centre global`: towards the model's mean w over all classes; docs/images/emoji64_classes.png
+was drawn with global before 2026-12-07, with class since). Panels are labelled with the last part of the class name the model's file records
 ("face-smiling"), or the index when it names none: the names are what `--class` and the studio's Class box take.
 """
 from __future__ import annotations
