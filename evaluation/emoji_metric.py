@@ -261,6 +261,76 @@ def predict(images, classifier: EmojiClassifier, batch: int = 500) -> tuple[np.n
     return np.concatenate(cls), np.concatenate(grp)
 
 
+@torch.no_grad()
+def heads(feats, classifier: EmojiClassifier, batch: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 (class index, group index) from penultimate features (as `features` returns them), so a sample
+    is rendered and classified once for both the distances and the agreement."""
+    dev = _device_of(classifier)
+    f = torch.as_tensor(np.asarray(feats), dtype=torch.float32)
+    cls, grp = [], []
+    for i in range(0, len(f), int(batch)):
+        x = f[i:i + int(batch)].to(dev)
+        with torch.autocast(device_type=dev.type, enabled=False):
+            cls.append(classifier.class_head(x).argmax(1).cpu().numpy())
+            grp.append(classifier.group_head(x).argmax(1).cpu().numpy())
+    return np.concatenate(cls), np.concatenate(grp)
+
+
+def class_map(names: list[str], classifier: EmojiClassifier) -> tuple[str, np.ndarray] | None:
+    """How a generator's class names map onto the classifier: ("class", index per name) when every name is one
+    of its 98 subgroup classes, ("group", ...) when every name is one of its groups, else None."""
+    for level, known in (("class", classifier.classes), ("group", classifier.groups)):
+        where = {n: i for i, n in enumerate(known)}
+        if names and all(n in where for n in names):
+            return level, np.array([where[n] for n in names], dtype=np.int64)
+    return None
+
+
+def group_of_class(classifier: EmojiClassifier) -> np.ndarray:
+    """The group index of each subgroup class ("Smileys & Emotion/face-smiling" -> "Smileys & Emotion")."""
+    where = {g: i for i, g in enumerate(classifier.groups)}
+    out = []
+    for name in classifier.classes:
+        group = name.split("/", 1)[0]
+        if group not in where:
+            raise ModelLoadError(f"the classifier's class {name!r} names no group it knows")
+        out.append(where[group])
+    return np.array(out, dtype=np.int64)
+
+
+def class_agreement(pred_class, pred_group, asked, classifier: EmojiClassifier, level: str = "class") -> dict:
+    """How often the classifier names a sample as what it was asked to be: GAN-test accuracy (Shmelkov et al.
+    2018, "How good is my GAN?"), a classifier trained on real images applied to generated ones.
+
+    `asked`: per sample the classifier index asked for, at `level` "class" (subgroup: scored at both levels) or
+    "group" (only the group can be scored). Returns overall top-1 at each level, and per asked class its count,
+    top-1 and what it was most often taken for."""
+    pred_class, pred_group, asked = (np.asarray(a, dtype=np.int64) for a in (pred_class, pred_group, asked))
+    if not (len(pred_class) == len(pred_group) == len(asked)) or not len(asked):
+        raise InputError(f"class_agreement needs one prediction per sample; got {len(pred_class)}, "
+                         f"{len(pred_group)} and {len(asked)}")
+    if level not in ("class", "group"):
+        raise InputError(f"level must be 'class' or 'group'; got {level!r}")
+    out: dict = {"level": level, "n": int(len(asked))}
+    if level == "group":
+        out["group_top1"] = float((pred_group == asked).mean())
+        names, hit, pred = classifier.groups, pred_group == asked, pred_group
+    else:
+        g = group_of_class(classifier)
+        out["class_top1"] = float((pred_class == asked).mean())
+        out["group_top1"] = float((pred_group == g[asked]).mean())
+        names, hit, pred = classifier.classes, pred_class == asked, pred_class
+    per = []
+    for c in np.unique(asked):
+        sel = asked == c
+        wrong = pred[sel & ~hit]
+        taken = np.bincount(wrong, minlength=len(names)).argmax() if len(wrong) else None
+        per.append({"name": names[c], "n": int(sel.sum()), "top1": float(hit[sel].mean()),
+                    "most_taken_for": names[taken] if taken is not None else None})
+    out["per_class"] = per
+    return out
+
+
 def frechet_distance(real_feats, fake_feats) -> float:
     """The Fréchet distance between Gaussians fitted to two feature sets (evaluation/scores.py's FID)."""
     return fid_from_features(real_feats, fake_feats)

@@ -1,5 +1,6 @@
 """Score StyleGAN snapshots of the emoji generator: Fréchet distance and precision/recall (k = 3)
-in the emoji classifier's features, per snapshot, against kimg.
+in the emoji classifier's features, per snapshot, against kimg; for a class-conditional snapshot also the class
+agreement (the classifier's top-1 on each sample against the class it was drawn in; docs/metrics.md).
 
     python scripts/emoji_metrics.py --snapshots runs/emoji64/snapshots [--n 10000] [--device auto]
                                     [--out metrics.json] [--plot metrics.png]
@@ -39,8 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 from core.device import pick_device  # noqa: E402
 from core.errors import AtelierError, InputError  # noqa: E402
-from evaluation.emoji_metric import (DEFAULT_DATA, DEFAULT_LABELS, DEFAULT_WEIGHTS, features, frechet_distance,  # noqa: E402
-                                     load_classifier, load_emoji_dataset, precision_recall, quantize)
+from evaluation.emoji_metric import (DEFAULT_DATA, DEFAULT_LABELS, DEFAULT_WEIGHTS, class_agreement,  # noqa: E402
+                                     class_map, features, frechet_distance, heads, load_classifier,
+                                     load_emoji_dataset, precision_recall, quantize)
 
 KIMG_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)kimg")
 
@@ -84,8 +86,9 @@ def _bar(total: int, desc: str, enabled: bool):
 @torch.no_grad()
 def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, truncation: float, seed: int,
                        device: torch.device, desc: str = "", progress: bool = True,
-                       labels: np.ndarray | None = None, centres=None) -> np.ndarray:
-    """Classifier features of n samples. A class-conditional G draws each sample's class from `labels` (the data
+                       labels: np.ndarray | None = None, centres=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Classifier features of n samples, and for a class-conditional G the class index each was drawn in (None
+    for an unconditional one). A class-conditional G draws each sample's class from `labels` (the data
     set's per-image class indices), so the classes come in the data's proportions, as NVlabs' metrics do.
     `centres` (models.class_centres.ClassCentres): truncate towards each sample's class centre instead of w_avg."""
     c_dim = int(getattr(G, "c_dim", 0))
@@ -94,7 +97,7 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
     gen = torch.Generator(device=device).manual_seed(seed)
     pool = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device) if c_dim else None
     bar = _bar(n, desc, progress)
-    out = []
+    out, drawn = [], []
     for i in range(0, n, batch):
         b = min(batch, n - i)
         z = torch.randn([b, G.z_dim], generator=gen, device=device)
@@ -102,6 +105,7 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
         if c_dim:
             pick = torch.randint(0, len(pool), (b,), generator=gen, device=device)
             c = torch.nn.functional.one_hot(pool[pick], c_dim).float()
+            drawn.append(pool[pick].cpu().numpy())
             if centres is not None and truncation != 1:
                 centre = {"truncation_centre": centres(pool[pick].tolist())}
         img = G(z, c, truncation_psi=truncation, noise_mode="const", **centre)
@@ -110,7 +114,14 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
             bar.update(b)
     if bar is not None:
         bar.close()
-    return np.concatenate(out)
+    return np.concatenate(out), (np.concatenate(drawn) if drawn else None)
+
+
+def real_agreement(real: np.ndarray, classifier, asked: np.ndarray, level: str) -> dict:
+    """The ceiling of the class agreement: the classifier on the data set's own images and labels (every one of
+    them seen in its training, so this is what a generator that reproduced the data would score)."""
+    pc, pg = heads(real, classifier)
+    return class_agreement(pc, pg, asked, classifier, level)
 
 
 def reference_floor(real: np.ndarray, k: int, seed: int, device) -> dict:
@@ -135,11 +146,25 @@ def plot(result: dict, path: Path) -> str:
     rows.sort(key=lambda r: r["kimg"])
     kimg = [r["kimg"] for r in rows]
     floor = result["reference_floor"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), constrained_layout=True)
-    for ax, key, title in zip(axes, ("fd", "precision", "recall"),
-                              ("Fréchet distance (emoji classifier)", "precision (k=3)", "recall (k=3)")):
-        ax.plot(kimg, [r[key] for r in rows], marker="o", ms=3)
-        ax.axhline(floor[key], ls="--", c="gray", lw=1, label="dataset vs itself (halves)")
+    # the class agreement gets a fourth panel when the snapshots were scored for it (class-conditional ones)
+    agree_key = next((k for k in ("class_top1", "group_top1") if all(k in (r.get("agreement") or {}) for r in rows)),
+                     None)
+    panels = [("fd", "Fréchet distance (emoji classifier)"), ("precision", "precision (k=3)"),
+              ("recall", "recall (k=3)")]
+    if agree_key:
+        panels.append((agree_key, "class agreement (classifier top-1)" if agree_key == "class_top1"
+                       else "group agreement (classifier top-1)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), constrained_layout=True)
+    for ax, (key, title) in zip(axes, panels):
+        if key in ("fd", "precision", "recall"):
+            ax.plot(kimg, [r[key] for r in rows], marker="o", ms=3)
+            ax.axhline(floor[key], ls="--", c="gray", lw=1, label="dataset vs itself (halves)")
+        else:
+            ax.plot(kimg, [r["agreement"][key] for r in rows], marker="o", ms=3, c="tab:green")
+            ceiling = (result.get("real_agreement") or {}).get(key)
+            if ceiling is not None:
+                ax.axhline(ceiling, ls="--", c="gray", lw=1, label="the data set's own images")
+                ax.legend(fontsize=8)
         ax.set_xlabel("kimg")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -199,16 +224,34 @@ def run(args) -> dict:
             from training.dataset import load_labels
             labels, _ = load_labels(args.labels, key, len(real_images))
         centre = args.truncation_centre if labels is not None else "global"
-        fake = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed, device,
+        fake, drawn = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed, device,
                                   desc=path.stem, progress=not args.no_progress, labels=labels,
                                   centres=loaded.class_centres() if centre == "class" else None)
         row = {"file": str(path), "kimg": kimg, "sha256": loaded.sha256, "truncation_centre": centre,
                "fd": frechet_distance(real, fake),
-               **precision_recall(real, fake, k=args.k, device=device), "seconds": round(time.time() - t, 2)}
+               **precision_recall(real, fake, k=args.k, device=device)}
+        names = (meta.get("classes") or {}).get("names") or []
+        mapped = class_map(names, classifier) if drawn is not None else None
+        if drawn is not None and len(names) != int(loaded.G.c_dim):
+            mapped = None
+        if mapped is not None:
+            level, index = mapped
+            pc, pg = heads(fake, classifier)
+            row["agreement"] = class_agreement(pc, pg, index[drawn], classifier, level)
+            if "real_agreement" not in result:
+                result["real_agreement"] = real_agreement(real, classifier, index[labels], level)
+        elif drawn is not None:
+            row["agreement"] = None
+            print(f"note: {path.name}'s class names are not the classifier's classes or groups, so there is no "
+                  "class agreement", file=sys.stderr)
+        row["seconds"] = round(time.time() - t, 2)
         result["snapshots"].append(row)
         del loaded
+        agree = row.get("agreement") or {}
+        agree = (f"  agreement {agree['class_top1']:.3f}" if "class_top1" in agree else
+                 f"  group agreement {agree['group_top1']:.3f}" if agree else "")
         print(f"{path.name}: kimg {kimg if kimg is not None else '?'}  FD {row['fd']:.3f}  precision "
-              f"{row['precision']:.3f}  recall {row['recall']:.3f}  ({row['seconds']:.1f} s)", file=sys.stderr)
+              f"{row['precision']:.3f}  recall {row['recall']:.3f}{agree}  ({row['seconds']:.1f} s)", file=sys.stderr)
         if args.out:
             _write(result, args.out)            # after each snapshot, so a long run keeps what it has
     result["snapshots"].sort(key=lambda r: (r["kimg"] is None, r["kimg"] or 0))
