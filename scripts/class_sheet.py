@@ -7,6 +7,9 @@ panel differs only by class. Truncation pulls towards each class's own mean w, a
 (`--truncation-centre global`: towards the model's mean w over all classes; docs/images/emoji64_classes.png
 was drawn with global before 2026-12-07, with class since). Panels are labelled with the last part of the class name the model's file records
 ("face-smiling"), or the index when it names none: the names are what `--class` and the studio's Class box take.
+
+--agreement METRICS.json (from scripts/emoji_metrics.py on this model file): each label also gets the share of
+samples the emoji classifier names as that class, and a bar under it (green: that share).
 """
 from __future__ import annotations
 
@@ -16,6 +19,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def agreement_by_class(path: Path, sha256: str, names: list[str]) -> dict[int, float]:
+    """Class index -> class agreement (top-1 share) from an emoji_metrics JSON row scored on this very file."""
+    import json
+
+    from core.errors import InputError
+
+    try:
+        doc = json.loads(Path(path).read_text())
+        rows = doc["snapshots"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{path} is not a scripts/emoji_metrics.py result ({exc})") from None
+    row = next((r for r in rows if r.get("sha256") == sha256), None)
+    if row is None:
+        raise InputError(f"{path} scores other model files (sha256 {', '.join(r.get('sha256', '?')[:12] for r in rows)}); "
+                         f"this one is {sha256[:12]}: run scripts/emoji_metrics.py --generator on it")
+    per = (row.get("agreement") or {}).get("per_class")
+    if not per:
+        raise InputError(f"{path} has no class agreement for this model (made before the metric had it, or its "
+                         "classes are not the classifier's): run scripts/emoji_metrics.py again")
+    where = {n: i for i, n in enumerate(names)}
+    return {where[r["name"]]: float(r["top1"]) for r in per if r.get("name") in where}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("class", "global"),
                     help="what psi pulls towards: each class's own mean w (default) or the global w_avg")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--agreement", type=Path, default=None,
+                    help="scripts/emoji_metrics.py JSON of this model: label each class with its class agreement")
     ap.add_argument("--colors", type=int, default=256,
                     help="palette size of the PNG (256: a quarter of the bytes, no visible change here; 0: full colour)")
     a = ap.parse_args(argv)
@@ -50,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(f"{a.model} is unconditional: it has no classes to show")
     names = (((loaded.config or {}).get("metadata") or {}).get("classes") or {}).get("names") or []
     labels = [str(names[k]).rsplit("/", 1)[-1] if k < len(names) else str(k) for k in range(G.c_dim)]
+    agree = agreement_by_class(a.agreement, loaded.sha256, names) if a.agreement else {}
     z = torch.from_numpy(np.concatenate([seed_to_z(s, G.z_dim) for s in range(a.seeds)])).to(a.device)
     res = G.img_resolution
     label_h, pad = 14, 6
@@ -64,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
                       if a.truncation_centre == "class" and a.truncation != 1 else {})
             imgs = to_uint8_images(G(z, c, truncation_psi=a.truncation, noise_mode="const", **centre).float().cpu())
             x0, y0 = pad + (k % a.cols) * (pw + pad), pad + (k // a.cols) * (ph + pad)
-            draw.text((x0, y0), f"{k} {labels[k]}"[: pw // 6], fill=(40, 40, 40))
+            share = agree.get(k)
+            tail = f" {share:.0%}" if share is not None else ""
+            draw.text((x0, y0), f"{k} {labels[k]}"[: pw // 6 - len(tail)] + tail, fill=(40, 40, 40))
+            if share is not None:
+                split = x0 + round(share * (pw - 1))
+                draw.rectangle((x0, y0 + label_h - 2, x0 + pw - 1, y0 + label_h - 1), fill=(225, 80, 70))
+                if split > x0:
+                    draw.rectangle((x0, y0 + label_h - 2, split, y0 + label_h - 1), fill=(60, 170, 80))
             for i, im in enumerate(imgs):
                 sheet.paste(im.convert("RGB"), (x0 + i * res, y0 + label_h))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

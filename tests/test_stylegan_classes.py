@@ -142,6 +142,31 @@ def test_class_sheet_draws_one_labelled_panel_per_class(tmp_path):
     assert sheet.main([str(model), str(tmp_path / "g.png"), "--seeds", "3", "--cols", "2", "--colors", "0",
                        "--truncation-centre", "global"]) == 0
     assert np.abs(np.asarray(Image.open(tmp_path / "g.png").convert("RGB")).astype(int) - im).mean() > 0.1
+    # --agreement: a metrics JSON of this very file labels each class with its share and draws a bar under it
+    import json
+
+    from models.stylegan import load_generator
+    sha = load_generator(model, device="cpu").sha256
+    per = [{"name": f"Group/c{i}", "n": 10, "top1": t, "most_taken_for": None} for i, t in enumerate((1, .8, .5, .2, 0))]
+    doc = {"snapshots": [{"file": str(model), "sha256": sha, "agreement": {"level": "class", "per_class": per}}]}
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    assert sheet.main([str(model), str(tmp_path / "a.png"), "--seeds", "3", "--cols", "2", "--colors", "0",
+                       "--agreement", str(tmp_path / "m.json")]) == 0
+    ag = np.asarray(Image.open(tmp_path / "a.png").convert("RGB")).astype(int)
+    for k, share in enumerate((1, .8, .5, .2, 0)):
+        x0, y0 = pad + (k % 2) * (3 * res + pad), pad + (k // 2) * (res + label_h + pad)
+        bar = ag[y0 + label_h - 1, x0:x0 + 3 * res]
+        green = ((bar[:, 1] > 150) & (bar[:, 0] < 100)).mean()
+        assert abs(green - share) < 0.05, (k, green, share)
+        assert (ag[y0 + label_h:y0 + label_h + res, x0:x0 + 3 * res] == im[y0 + label_h:y0 + label_h + res,
+                                                                          x0:x0 + 3 * res]).all()
+    doc["snapshots"][0]["sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="other model files"):
+        sheet.main([str(model), str(tmp_path / "b.png"), "--agreement", str(tmp_path / "other.json")])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(InputError, match="not a scripts/emoji_metrics.py result"):
+        sheet.main([str(model), str(tmp_path / "b.png"), "--agreement", str(tmp_path / "bad.json")])
     with pytest.raises(InputError, match="unconditional"):
         G0 = stylegan2.Generator(z_dim=8, c_dim=0, w_dim=8, img_resolution=16, img_channels=3,
                                  mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
