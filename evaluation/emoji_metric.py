@@ -304,7 +304,8 @@ def class_agreement(pred_class, pred_group, asked, classifier: EmojiClassifier, 
 
     `asked`: per sample the classifier index asked for, at `level` "class" (subgroup: scored at both levels) or
     "group" (only the group can be scored). Returns overall top-1 at each level, and per asked class its count,
-    top-1 and what it was most often taken for."""
+    top-1 and what it was most often taken for, and `balanced_top1`, the mean of the per-class top-1s (every asked
+    class weighing the same)."""
     pred_class, pred_group, asked = (np.asarray(a, dtype=np.int64) for a in (pred_class, pred_group, asked))
     if not (len(pred_class) == len(pred_group) == len(asked)) or not len(asked):
         raise InputError(f"class_agreement needs one prediction per sample; got {len(pred_class)}, "
@@ -328,6 +329,9 @@ def class_agreement(pred_class, pred_group, asked, classifier: EmojiClassifier, 
         per.append({"name": names[c], "n": int(sel.sum()), "top1": float(hit[sel].mean()),
                     "most_taken_for": names[taken] if taken is not None else None})
     out["per_class"] = per
+    # every asked class weighs the same: the overall top-1 is dominated by the big classes (skin-tone variants of
+    # people, flags), the balanced one says how many of the classes are drawn recognisably
+    out["balanced_top1"] = float(np.mean([r["top1"] for r in per]))
     return out
 
 

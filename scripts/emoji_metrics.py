@@ -160,11 +160,13 @@ def plot(result: dict, path: Path) -> str:
             ax.plot(kimg, [r[key] for r in rows], marker="o", ms=3)
             ax.axhline(floor[key], ls="--", c="gray", lw=1, label="dataset vs itself (halves)")
         else:
-            ax.plot(kimg, [r["agreement"][key] for r in rows], marker="o", ms=3, c="tab:green")
-            ceiling = (result.get("real_agreement") or {}).get(key)
-            if ceiling is not None:
-                ax.axhline(ceiling, ls="--", c="gray", lw=1, label="the data set's own images")
-                ax.legend(fontsize=8)
+            real = result.get("real_agreement") or {}
+            for k, colour, what in ((key, "tab:green", "top-1"), ("balanced_top1", "tab:olive", "per-class mean")):
+                ax.plot(kimg, [r["agreement"][k] for r in rows], marker="o", ms=3, c=colour, label=what)
+                if real.get(k) is not None:
+                    ax.axhline(real[k], ls="--", c=colour, lw=1, alpha=0.7)
+            ax.plot([], [], ls="--", c="gray", lw=1, label="the data set's own images")
+            ax.legend(fontsize=8)
         ax.set_xlabel("kimg")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -248,7 +250,7 @@ def run(args) -> dict:
         result["snapshots"].append(row)
         del loaded
         agree = row.get("agreement") or {}
-        agree = (f"  agreement {agree['class_top1']:.3f}" if "class_top1" in agree else
+        agree = (f"  agreement {agree['class_top1']:.3f} (balanced {agree['balanced_top1']:.3f})" if "class_top1" in agree else
                  f"  group agreement {agree['group_top1']:.3f}" if agree else "")
         print(f"{path.name}: kimg {kimg if kimg is not None else '?'}  FD {row['fd']:.3f}  precision "
               f"{row['precision']:.3f}  recall {row['recall']:.3f}{agree}  ({row['seconds']:.1f} s)", file=sys.stderr)

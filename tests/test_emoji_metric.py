@@ -256,6 +256,9 @@ def test_class_agreement_counts(clf):
     first, sixth = per[clf.classes[0]], per[clf.classes[5]]
     assert first["n"] == 4 and first["top1"] == pytest.approx(0.5) and first["most_taken_for"] == clf.classes[7]
     assert sixth["n"] == 2 and sixth["top1"] == pytest.approx(0.5) and sixth["most_taken_for"] == clf.classes[other]
+    assert out["balanced_top1"] == pytest.approx(0.5)
+    lopsided = class_agreement(np.array([0, 0, 0, 0, 7, 7]), pred_g, asked, clf)   # all of class 0, none of 5
+    assert lopsided["class_top1"] == pytest.approx(4 / 6) and lopsided["balanced_top1"] == pytest.approx(0.5)
     perfect = class_agreement(asked, g[asked], asked, clf)
     assert perfect["class_top1"] == 1.0 and all(r["most_taken_for"] is None for r in perfect["per_class"])
     # a generator conditioned on groups is scored on groups only
