@@ -183,6 +183,44 @@ def plot(result: dict, path: Path) -> str:
     return ""
 
 
+def class_plot(result: dict, path: Path) -> str:
+    """Per class, the share of samples the classifier names as that class (the last scored snapshot) beside the
+    share of the data set's own images it names right (the ceiling); returns '' or why it was not drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed, so no class plot was drawn (the JSON has the numbers)"
+    rows = [r for r in result["snapshots"] if (r.get("agreement") or {}).get("per_class")]
+    if not rows:
+        return "no snapshot was scored for class agreement (it needs a class-conditional generator)"
+    row = rows[-1]
+    real = {r["name"]: r["top1"] for r in (result.get("real_agreement") or {}).get("per_class", [])}
+    per = row["agreement"]["per_class"]
+    names = [r["name"] for r in per]
+    y = np.arange(len(per))[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.16 * len(per)), constrained_layout=True)
+    ax.barh(y, [real.get(n, np.nan) for n in names], height=0.8, color="0.85", label="the data set's own images")
+    ax.barh(y, [r["top1"] for r in per], height=0.45, color="tab:green", label="generated samples")
+    ax.set_yticks(y, [f"{n} ({r['n']})" for n, r in zip(names, per)], fontsize=6)
+    ax.set_ylim(-0.7, len(per) - 0.3)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share the emoji classifier names as the class asked for (top-1)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=2, frameon=False)
+    a = row["agreement"]
+    kimg = f"{row['kimg']:g} kimg, " if row.get("kimg") is not None else ""
+    fig.suptitle(f"{Path(row['file']).name}: {kimg}truncation {result['truncation']:g}, {a['n']} samples "
+                 f"(per class in brackets)\ntop-1 {a.get('class_top1', a.get('group_top1')):.3f}, per-class mean "
+                 f"{a['balanced_top1']:.3f}", fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return ""
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -266,6 +304,13 @@ def run(args) -> dict:
             print(f"note: {why}", file=sys.stderr)
         if args.out:
             _write(result, args.out)
+    if args.class_plot:
+        why = class_plot(result, args.class_plot)
+        result["class_plot"] = None if why else str(args.class_plot)
+        if why:
+            print(f"note: {why}", file=sys.stderr)
+        if args.out:
+            _write(result, args.out)
     return result
 
 
@@ -296,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--out", type=Path, default=Path("metrics.json"))
     ap.add_argument("--plot", type=Path, default=None, help="PNG of FD, precision and recall against kimg")
+    ap.add_argument("--class-plot", type=Path, default=None,
+                    help="PNG of the class agreement per class (the last snapshot) against the data set's own images")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     try:

@@ -364,9 +364,16 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
     save_generator(G, tmp_path / "nokey" / "G_ema-000040kimg", "stylegan2", metadata={"kimg": 40})
     base = ["--n", "40", "--batch", "16", "--device", "cpu", "--data", str(small_data), "--labels", str(labels),
             "--no-progress"]
-    out = tmp_path / "m.json"
-    assert emoji_metrics.main(["--snapshots", str(tmp_path / "cond"), *base, "--out", str(out)]) == 0
+    out, cplot = tmp_path / "m.json", tmp_path / "classes.png"
+    assert emoji_metrics.main(["--snapshots", str(tmp_path / "cond"), *base, "--out", str(out),
+                               "--class-plot", str(cplot)]) == 0
     doc = json.loads(out.read_text())
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert doc["class_plot"] is None
+    else:
+        assert doc["class_plot"] == str(cplot) and cplot.stat().st_size > 1000
     row = doc["snapshots"][0]
     assert row["kimg"] == 40.0 and row["fd"] > 0 and 0 <= row["recall"] <= 1
     # its classes are the classifier's groups, so the agreement is scored at the group level, with the data set's
@@ -395,3 +402,6 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
     assert emoji_metrics.main(["--snapshots", str(tmp_path / "other"), *base, "--out", str(o)]) == 0
     doc = json.loads(o.read_text())
     assert doc["snapshots"][0]["agreement"] is None and "real_agreement" not in doc
+    why = emoji_metrics.class_plot(doc, tmp_path / "none.png")
+    assert "class agreement" in why or "matplotlib is not installed" in why
+    assert not (tmp_path / "none.png").exists()
