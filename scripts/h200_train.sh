@@ -113,7 +113,8 @@ EOF
       # the candidate beside the shipped model on the same machine, at psi = 1 and at the grid's psi = 0.7
       for psi in 1.0 0.7; do
         timeout 60 python3 scripts/emoji_metrics.py --generator "$OUT/emoji64.safetensors" assets/models/emoji64.safetensors \
-          --truncation $psi --device cuda --no-progress --out "$OUT/m/metrics-vs-shipped-psi$psi.json" 2>&1 | grep -E "FD|rror"
+          --truncation $psi --device cuda --no-progress --out "$OUT/m/metrics-vs-shipped-psi$psi.json" \
+          --class-plot "$OUT/m/class-agreement-psi$psi.png" 2>&1 | grep -E "FD|rror"
       done
       cp "$RUN/log.jsonl" "$RUN/samples.png" "$RUN.log" "$RUN.choice" "$OUT/m/" 2>/dev/null
       cp "$RUN/state.json" "$OUT/m/" 2>/dev/null

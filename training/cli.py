@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--retune", action="store_true",
       help="with --resume: take the recipe settings given on this command line (--batch, --lr-g/--lr-d, "
            "--r1-gamma, --pl-weight, --style-mixing, --ema-kimg, --aug, --aug-pipe, --ada-target, --ada-max-p, "
-           "--d-steps) instead of the run's own; networks, EMA, optimizer moments and ADA p carry over (p is "
+           "--d-steps, --class-balance) instead of the run's own; networks, EMA, optimizer moments and ADA p carry over (p is "
            "lowered to a new --ada-max-p)")
     a("--loss", choices=LOSSES, default=None, help="r1: non-saturating + lazy R1 (default) | wgan-gp")
     a("--optimizer", choices=OPTIMIZERS, default=None,
@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cond", default=None, metavar="KEY",
       help="class-conditional G and D (NVlabs --cond) on the per-image class indices under KEY of --labels; "
            "emoji64: group (10 Unicode groups) or class (98 subgroups)")
+    a("--class-balance", type=float, default=None, metavar="ALPHA",
+      help="with --cond: draw image i with probability proportional to n_c ** -ALPHA (n_c: the images of its "
+           "class), for the real images and the generated images' classes alike, so a class's share of training "
+           "is proportional to n_c ** (1 - ALPHA): 0 = the data's proportions (default), 0.5 = square-root "
+           "sampling, 1 = every class equally often")
     a("--labels", default=None, metavar="FILE",
       help="JSON with a list of class indices per image under the --cond key (and the class names under its "
            "plural), or NVlabs' dataset.json; without it, the data folder's or .zip's own dataset.json; "
@@ -126,7 +131,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
-                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d")
+                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d", "class_balance")
 
 
 def retune_from_args(args: argparse.Namespace) -> dict | None:

@@ -52,6 +52,9 @@ class TrainConfig:
     labels: str = ""                        # JSON with per-image class indices (emoji64: keys group, class)
     c_dim: int = 0                          # number of classes: set from the labels when the run starts and
                                             # saved, so that a resume rebuilds the same networks
+    class_balance: float = 0.0              # with cond: image i is drawn with probability ~ n_c(i) ** -alpha, so a
+                                            # class's share ~ n_c ** (1 - alpha), for real and generated images
+                                            # alike: 0 = the data's proportions, 0.5 = square root, 1 = equal
 
     # -- length -------------------------------------------------------------------------------
     kimg: float = 25000.0                   # stop after this many thousand real images shown to D
@@ -298,6 +301,13 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
              f"--cond {cfg.cond} needs labels: --labels FILE (a JSON with a list of per-image class indices under "
              f"{cfg.cond!r}), or NVlabs' dataset.json inside the data folder or .zip")
     need(cfg.arch == "stylegan2" or not cfg.cond, "class-conditional training (--cond) is for StyleGAN2 networks")
+    need(0.0 <= cfg.class_balance <= 1.0,
+         f"--class-balance must be between 0 and 1 (0 = classes as often as the data has them, 0.5 = square-root "
+         f"sampling, 1 = every class equally often); got {cfg.class_balance}")
+    need(cfg.class_balance == 0 or bool(cfg.cond),
+         f"--class-balance {cfg.class_balance:g} evens out how often each class is trained, and an unconditional run "
+         "has no classes: add --cond KEY (the class indices under KEY in --labels FILE, or in the data set's "
+         "dataset.json), or leave --class-balance out")
     need(cfg.minutes is None or cfg.minutes > 0, f"--minutes must be positive; got {cfg.minutes}")
     need(1 <= cfg.d_steps <= 10, f"the D:G ratio (--d-steps) must be 1..10; got {cfg.d_steps}")
     need(0.0 <= cfg.aug_p <= 1.0, f"--aug-p must be in [0, 1]; got {cfg.aug_p}")

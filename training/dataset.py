@@ -13,6 +13,9 @@ The sampler is deterministic and resumable: epoch e visits a permutation drawn f
 (seed, e); the state is (epoch, position), saved in every checkpoint. Each rank takes
 its slice of the same global batch, so the global data order does not depend on the
 number of GPUs. The tail of each epoch that does not fill a global batch is skipped.
+With a class balance alpha > 0 (conditional training, `--class-balance`), an epoch is
+instead as many draws with replacement, image i weighted n_c(i) ** -alpha, again from
+(seed, e), so the state and the rank slicing stay the same.
 """
 from __future__ import annotations
 
@@ -339,6 +342,61 @@ def read_dataset_meta(path: str | Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Class balance (--class-balance): how often each class is shown, on the real and the generated side
+
+
+def _class_counts(labels: np.ndarray, num_classes: int = 0) -> np.ndarray:
+    labels = np.asarray(labels, dtype=np.int64)
+    return np.bincount(labels, minlength=max(int(num_classes), int(labels.max()) + 1)).astype(np.float64)
+
+
+def class_balance_weights(labels: np.ndarray, alpha: float) -> np.ndarray:
+    """Per-image sampling weights n_c(i) ** -alpha (float64, not normalised), n_c the image count of class c."""
+    labels = np.asarray(labels, dtype=np.int64)
+    return _class_counts(labels)[labels] ** -float(alpha)
+
+
+def class_shares(labels: np.ndarray, alpha: float, num_classes: int = 0) -> np.ndarray:
+    """Each class's share of the samples (float64 [classes], sums to 1) under balance alpha: proportional to
+    n_c ** (1 - alpha); a class without images gets none (at alpha = 1, 0 ** 0 would give it a full share)."""
+    n = _class_counts(labels, num_classes)
+    share = np.where(n > 0, n ** (1.0 - float(alpha)), 0.0)
+    return share / share.sum()
+
+
+def balanced_class_pool(labels: np.ndarray, alpha: float, num_classes: int = 0, size: int = 1 << 16) -> np.ndarray:
+    """Class indices (int64) in which each class appears in proportion to its share under `alpha`, so a uniform
+    draw from the pool draws classes as the balanced real sampler does. Built by quota (largest remainder), not
+    by random draws, so the proportions are exact to 1/size; every class with images keeps at least one entry.
+    The pool grows past `size` (up to 2 ** 22) when the rarest class would otherwise get fewer than 16 entries."""
+    share = class_shares(labels, alpha, num_classes)
+    present = share > 0
+    size = int(min(max(size, np.ceil(16 / share[present].min())), 1 << 22))
+    exact = share * size
+    counts = np.floor(exact).astype(np.int64)
+    short = size - int(counts.sum())
+    if short > 0:
+        counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    counts[present & (counts == 0)] = 1
+    return np.repeat(np.arange(len(share), dtype=np.int64), counts)
+
+
+def _percent(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
+
+
+def class_balance_note(labels: np.ndarray, alpha: float) -> str:
+    """One line for the run's start: how the balance moves the largest and the smallest class."""
+    n = _class_counts(labels)
+    present = np.flatnonzero(n > 0)
+    big, small = present[np.argmax(n[present])], present[np.argmin(n[present])]
+    before, after = class_shares(labels, 0.0) * 100, class_shares(labels, alpha) * 100
+    return (f"class balance {alpha:g}: largest class ({int(n[big])} images) {_percent(before[big])} % -> "
+            f"{_percent(after[big])} % of samples, smallest ({int(n[small])}) {_percent(before[small])} % -> "
+            f"{_percent(after[small])} %")
+
+
+# ---------------------------------------------------------------------------------------------
 # Serving batches
 
 
@@ -358,13 +416,19 @@ class ImageBatches:
     where: 'gpu' keeps the whole set on the device; 'host' keeps it in pinned memory
     and prefetches one batch ahead on a side stream; 'host-plain' is the naive loop
     (float conversion on the CPU, blocking copy), kept only as the benchmark baseline.
+    class_balance: alpha in [0, 1]; 0 visits every image once per epoch (a permutation), > 0 draws each
+    epoch's images with replacement, image i with probability proportional to n_c(i) ** -alpha (needs labels).
     """
 
     def __init__(self, images: np.ndarray, global_batch: int, device: torch.device, seed: int = 0,
                  rank: int = 0, world_size: int = 1, mirror: bool = False, where: str = "auto",
-                 labels: np.ndarray | None = None):
+                 labels: np.ndarray | None = None, class_balance: float = 0.0):
         if labels is not None and len(labels) != len(images):
             raise InputError(f"{len(labels)} labels for {len(images)} images")
+        if not 0.0 <= class_balance <= 1.0:
+            raise InputError(f"the class balance must be between 0 and 1; got {class_balance}")
+        if class_balance > 0 and labels is None:
+            raise InputError("a class balance needs the images' class labels (class-conditional training)")
         if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
             raise InputError(f"expected (N, R, R, 3) uint8 images; got {images.dtype} {list(images.shape)}")
         n = len(images) * (2 if mirror else 1)
@@ -381,6 +445,7 @@ class ImageBatches:
         self.rank = rank
         self.seed = seed
         self.mirror = mirror
+        self.class_balance = float(class_balance)
         self.epoch = 0
         self.pos = 0
         self._perm: torch.Tensor | None = None
@@ -418,14 +483,25 @@ class ImageBatches:
         if labels is not None and where == "host" and self.device.type == "cuda":
             self._labels_host = torch.as_tensor(np.asarray(labels, dtype=np.int64))
             self._label_staging = [torch.empty(self.batch, dtype=torch.int64).pin_memory() for _ in range(2)]
+        # per-index sampling weights where the epoch's index list is drawn (a mirrored copy weighs as its image)
+        self._weights = None
+        if self.class_balance > 0:
+            w = class_balance_weights(labels, self.class_balance)
+            w = np.concatenate([w, w]) if mirror else w
+            self._weights = torch.from_numpy(w).to(self.device if where == "gpu" else torch.device("cpu"))
 
     # -- sampler -----------------------------------------------------------------------------------
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
+        """Epoch `epoch`'s global index list (`length` entries; >= num_images: mirrored): a permutation, or with a
+        class balance, draws with replacement by the per-index weights. Both from (seed, epoch) alone."""
         if self._perm_epoch != epoch:
             dev = self.device if self.where == "gpu" else torch.device("cpu")
             g = torch.Generator(device=dev)
             g.manual_seed(_mix(self.seed, epoch, 0xDA7A))
-            self._perm = torch.randperm(self.length, generator=g, device=dev)
+            if self._weights is None:
+                self._perm = torch.randperm(self.length, generator=g, device=dev)
+            else:
+                self._perm = torch.multinomial(self._weights, self.length, replacement=True, generator=g)
             self._perm_epoch = epoch
         return self._perm
 

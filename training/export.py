@@ -193,6 +193,8 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
                                       "kimg": _init_kimg(run), "init_d": cfg.init_d or None}
     if doc.get("classes"):
         meta["classes"] = doc["classes"]        # {"key": "group", "names": [...]}: class index -> name
+    if cfg.class_balance:
+        meta["training"]["class_balance"] = cfg.class_balance
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     size = weights.stat().st_size
     if max_bytes is not None and size > max_bytes:
@@ -276,6 +278,13 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
     if doc.get("exported_snapshot"):
         lines += [f"- Exported from the run's G_ema snapshot at {t['kimg']:.0f} kimg (`--snapshot`); the recipe "
                   "above is the run's at that point (its retunes from log.jsonl applied)."]
+    if cfg.class_balance:
+        a = cfg.class_balance
+        what = {0.5: " (square-root sampling)", 1.0: " (every class equally often)"}.get(a, "")
+        lines += [f"- Class balance {a:g} (`--class-balance`): a training image of a class with n images was drawn "
+                  f"with probability proportional to n^-{a:g}, so each class was trained in proportion to "
+                  f"n^{1 - a:g}{what}, for real and generated images alike; the data's own proportions are "
+                  "balance 0."]
     lines += [f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`."]
     names = (meta.get("classes") or {}).get("names") or []
     if names:

@@ -760,6 +760,8 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
     }
     if doc.get("classes"):
         meta["classes"] = doc["classes"]
+    if cfg.class_balance:
+        meta["training"]["class_balance"] = cfg.class_balance
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     card = weights.with_suffix(".md")
     card.write_text(model_card(cfg, doc, meta, {}, weights.stat().st_size, None, name=weights.stem))

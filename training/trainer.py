@@ -51,8 +51,8 @@ from training import distributed as dist_utils
 from training import losses
 from training.augment import AdaController, AugmentPipe, leak_prone_ops
 from training.config import TrainConfig, finalize
-from training.dataset import (ImageBatches, _mix, image_grid, image_names, load_images, load_labels, to_float,
-                              to_uint8_hwc)
+from training.dataset import (ImageBatches, _mix, balanced_class_pool, class_balance_note, image_grid, image_names,
+                              load_images, load_labels, to_float, to_uint8_hwc)
 from training.monitor import CollapseMonitor
 
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
@@ -64,7 +64,7 @@ RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", 
 # (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
 RESUME_RETUNABLE = ("batch", "lr_g", "lr_d", "r1_gamma", "r1_interval", "pl_weight", "style_mixing", "ema_kimg",
-                    "aug", "aug_pipe", "ada_target", "ada_kimg", "ada_max_p", "d_steps")
+                    "aug", "aug_pipe", "ada_target", "ada_kimg", "ada_max_p", "d_steps", "class_balance")
 
 LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
@@ -249,9 +249,16 @@ class Trainer:
         self.batch_gpu = cfg.batch // self.dist.world_size
         self.loader = ImageBatches(images, cfg.batch, self.device, seed=cfg.seed, rank=self.dist.rank,
                                    world_size=self.dist.world_size, mirror=cfg.mirror, where=cfg.data_device,
-                                   labels=labels)
+                                   labels=labels, class_balance=cfg.class_balance)
         # fake images get class labels drawn from the data set's own (NVlabs: a random training image's label)
         self.label_pool = self.loader.labels          # the loader's device copy: [num_images] int64, or None
+        self.class_balance_note = ""
+        if cfg.class_balance > 0:
+            # G's classes must come in the proportions D sees real ones in, or a conditional D could tell real
+            # from fake by how often a class turns up: a pool holding each class by its balanced share
+            pool = balanced_class_pool(labels, cfg.class_balance, cfg.c_dim)
+            self.label_pool = torch.from_numpy(pool).to(self.device)
+            self.class_balance_note = class_balance_note(labels, cfg.class_balance)
         self.c_eye = torch.eye(cfg.c_dim, device=self.device)
         ref_idx = np.linspace(0, len(images) - 1, num=min(cfg.monitor_samples, len(images))).round().astype(int)
         self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
@@ -558,7 +565,8 @@ class Trainer:
             opt.step()
 
     def _gen_c(self, b: int) -> torch.Tensor:
-        """Class labels for b generated images: one-hot rows drawn from the data's labels ([b, 0] when unconditional)."""
+        """Class labels for b generated images: one-hot rows drawn from the data's labels, or with a class balance
+        from the balanced pool ([b, 0] when unconditional)."""
         if self.label_pool is None:
             return self.c_empty[:b]
         idx = torch.randint(0, self.label_pool.shape[0], (b,), device=self.device)
@@ -963,7 +971,8 @@ class Trainer:
                 + (f", compile scope {cfg.compile_scope} (augmentation {'inside' if self.fused_augment else 'outside'} "
                    f"D's graphs)" if cfg.compile else "")
                 + (f"; D alone until kimg {self.freeze_until_nimg / 1000:g}" if self.cur_nimg < self.freeze_until_nimg
-                   else ""))
+                   else "")
+                + (f"; {cfg.c_dim} classes ({cfg.cond}), {self.class_balance_note}" if self.class_balance_note else ""))
 
     def run(self) -> dict[str, Any]:
         """Train until `kimg` or the wall-clock budget; save; return a summary."""
