@@ -1,6 +1,7 @@
-"""The augmentation guards and --retune from the Train tab and `TrainRequest`: the pipe (upright = no flips or
-rotations), the cap on ADA's p and a retuned resume reach the trainer's config; left alone they keep the
-preset's values; bad input is refused before anything starts. No waiting on a child: the trainer runs in this
+"""The augmentation guards, --retune and the class balance from the Train tab and `TrainRequest`: the pipe
+(upright = no flips or rotations), the cap on ADA's p, a retuned resume and --class-balance reach the trainer's
+config; left alone they keep the preset's values (and the command as it was); bad input is refused before
+anything starts. No waiting on a child: the trainer runs in this
 process on the exact argv the manager would start it with (or wrote to run.json), and the manager's children
 are a stand-in `true` that trains nothing."""
 from __future__ import annotations
@@ -33,6 +34,13 @@ def trainer_argv(run: Path) -> list[str]:
     return argv[4:]
 
 
+def settle(m: TrainingRunManager) -> None:
+    """Wait for the stand-in children to exit: start() refuses a new run while one is alive, and on a loaded
+    machine `true` may not have exited by the next call."""
+    for child in list(m._children.values()):
+        child.proc.wait(timeout=120)
+
+
 def records(run: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r.get("kind") == kind]
 
@@ -40,6 +48,14 @@ def records(run: Path, kind: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return write_tiny_dataset(tmp_path_factory.mktemp("aug-data"))
+
+
+@pytest.fixture(scope="module")
+def labels(data) -> Path:
+    """Class indices for the 24 images of `data` under "group": 16, 6 and 2 images (a long tail)."""
+    lab = data.parent / "labels.json"
+    lab.write_text(json.dumps({"group": [0] * 16 + [1] * 6 + [2] * 2, "groups": ["many", "some", "few"]}))
+    return lab
 
 
 @pytest.fixture
@@ -157,7 +173,8 @@ def test_train_tab_has_the_controls_and_its_defaults_keep_the_preset(stand_in, t
     assert cap["value"] == 0 and (cap["minimum"], cap["maximum"]) == (0, 1)
     assert retune["value"] is False
     # appended: older API calls keep their order
-    assert START_FIELDS[-7:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels", "init_g", "freeze_g_kimg")
+    assert START_FIELDS[-8:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels", "init_g", "freeze_g_kimg",
+                                 "class_balance")
 
     view = TrainView()
     with pytest.raises(gr.Error, match="tick Resume it as well"):
@@ -211,3 +228,120 @@ def test_train_tab_starts_a_class_conditional_run(stand_in, tmp_path):
     start.fn(data="", preset="emoji64", kimg=1, name="emoji-style", cond="style", labels=str(labels), view=view)
     argv = trainer_argv(stand_in.runs_dir / "emoji-style")
     assert argv[argv.index("--labels") + 1] == str(labels) and argv[argv.index("--cond") + 1] == "style"
+
+
+# -- class balance (--class-balance) --------------------------------------------------------------------
+def test_class_balance_is_passed_only_when_set(tmp_path, data, labels):
+    cond = dict(data=str(data), preset="tiny", cond="group", labels=str(labels))
+    args = TrainRequest(**cond, class_balance=0.5).checked().cli_args(tmp_path / "b")
+    assert args[args.index("--class-balance") + 1] == "0.5"
+    cfg, retune = child_config(TrainRequest(**cond, class_balance=0.5), tmp_path / "b")
+    assert cfg.class_balance == pytest.approx(0.5) and cfg.cond == "group" and retune is None
+    before = TrainRequest(**cond).checked().cli_args(tmp_path / "z")          # a request that never mentions it
+    assert "--class-balance" not in before
+    assert TrainRequest(**cond, class_balance=0.0).checked().cli_args(tmp_path / "z") == before
+    assert child_config(TrainRequest(**cond), tmp_path / "z")[0].class_balance == 0
+    # emoji64 with the preset's labels and a conditional generator's own class key count as conditional too
+    cfg, _ = child_config(TrainRequest(preset="emoji64", cond="class", class_balance=1.0), tmp_path / "e")
+    assert cfg.class_balance == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(class_balance=0.5), r"class balance \(0.5\) .* this run is unconditional .* set Class balance to 0"),
+    (dict(class_balance=1.5, cond="group"), r"class balance must be between 0 and 1 .*got 1.5"),
+    (dict(class_balance=-0.05, cond="group"), r"class balance must be between 0 and 1"),
+    (dict(class_balance=math.nan, cond="group"), r"class balance must be between 0 and 1"),
+    (dict(class_balance=2.0), r"class balance must be between 0 and 1"),      # the range first: one fix at a time
+])
+def test_bad_class_balance_is_refused_before_anything_starts(stand_in, data, labels, kw, msg):
+    lab = {"labels": str(labels)} if kw.get("cond") else {}
+    with pytest.raises(InputError, match=msg):
+        stand_in.start(TrainRequest(**{"data": str(data), "preset": "tiny", "name": "bad", **lab, **kw}))
+    assert stand_in.runs() == [] and not (stand_in.runs_dir / "bad").exists()
+
+
+def _saved_run(manager: TrainingRunManager, name: str, **config) -> Path:
+    run = manager.runs_dir / name
+    run.mkdir(parents=True)
+    (run / "state.json").write_text(json.dumps({"config": {"batch": 8, "d_steps": 1, **config}}))
+    return run
+
+
+def test_a_resumed_run_takes_a_class_balance_only_with_retune_and_classes(stand_in):
+    _saved_run(stand_in, "cond", cond="group", class_balance=0.0)
+    _saved_run(stand_in, "older", cond="group")                      # saved before the option: it trained at 0
+    _saved_run(stand_in, "uncond", cond="")
+    for name in ("cond", "older"):
+        with pytest.raises(InputError, match=r"plain resume keeps the run's recipe, so class balance 0.5 "
+                                             r"\(the run's: 0\) would be ignored; tick Retune"):
+            stand_in.start(TrainRequest(preset="tiny", name=name, resume=True, class_balance=0.5))
+    for retune in (False, True):
+        with pytest.raises(InputError, match=r"the run 'uncond' is unconditional .* set Class balance to 0"):
+            stand_in.start(TrainRequest(preset="tiny", name="uncond", resume=True, retune=retune, class_balance=0.5))
+    assert not any((stand_in.runs_dir / n / "run.json").exists() for n in ("cond", "older", "uncond"))
+
+    stand_in.start(TrainRequest(preset="tiny", name="cond", resume=True, retune=True, class_balance=0.5))
+    argv = trainer_argv(stand_in.runs_dir / "cond")
+    assert "--retune" in argv and argv[argv.index("--class-balance") + 1] == "0.5" and "--cond" not in argv
+    settle(stand_in)
+    stand_in.start(TrainRequest(preset="tiny", name="uncond", resume=True))   # 0: resumes as before
+    assert "--class-balance" not in trainer_argv(stand_in.runs_dir / "uncond")
+
+
+def test_train_tab_trains_a_class_balanced_conditional_run(tmp_path, data, labels, capsys):
+    """The Class balance slider under Classes (conditional): refused without a class key or outside [0, 1]
+    (the form is no output of Start, so it keeps what was typed), passed as --class-balance otherwise, and the
+    run it starts (here in this process, on the argv the manager wrote) trains with it and can be retuned."""
+    import gradio as gr
+
+    from ui.train_tab import START_FIELDS, TrainView
+
+    m = TrainingRunManager(tmp_path / "runs", python=TRUE, device="cpu")
+    try:
+        demo, start = _tab(tmp_path, m)
+        props = {c["props"].get("elem_id"): c["props"] for c in demo.get_config_file()["components"]}
+        bal = props["train-class-balance"]
+        assert bal["label"] == "Class balance" and bal["value"] == 0
+        assert (bal["minimum"], bal["maximum"], bal["step"]) == (0, 1, 0.05)
+        for words in ("0 = classes as often as your images have them", "0.5 = square-root (small classes more often)",
+                      "1 = every class equally often", "only for class-conditional runs"):
+            assert words in bal["info"]
+        assert START_FIELDS[-1] == "class_balance"
+        fields = {id(c) for c in start.inputs}
+        assert not fields & {id(c) for c in start.outputs}
+
+        view = TrainView()
+        base = dict(data=str(data), preset="tiny", batch=8, kimg=0.016, log_every=1, view=view)
+        with pytest.raises(gr.Error, match="this run is unconditional"):
+            start.fn(**base, name="no-key", class_balance=0.5)
+        with pytest.raises(gr.Error, match="between 0 and 1"):
+            start.fn(**base, name="too-much", cond="group", labels=str(labels), class_balance=1.5)
+        assert m.runs() == []
+
+        start.fn(**base, name="balanced", cond="group", labels=str(labels), class_balance=0.5)
+        settle(m)
+        run = m.runs_dir / "balanced"
+        argv = trainer_argv(run)
+        assert argv[argv.index("--class-balance") + 1] == "0.5" and argv[argv.index("--cond") + 1] == "group"
+        assert json.loads((run / "run.json").read_text())["request"]["class_balance"] == pytest.approx(0.5)
+        capsys.readouterr()
+        assert cli.main(argv) == 0, capsys.readouterr().err             # the run the tab started
+        assert "3 classes (group), class balance 0.5" in capsys.readouterr().out
+        config = json.loads((run / "state.json").read_text())["config"]
+        assert config["class_balance"] == pytest.approx(0.5) and config["cond"] == "group"
+
+        # Resume it + Retune with another balance: the run's classes, the new balance
+        start.fn(**{**base, "kimg": 0.032}, name="balanced", resume=True, retune=True, class_balance=1.0)
+        settle(m)
+        argv = trainer_argv(run)
+        assert "--retune" in argv and argv[argv.index("--class-balance") + 1] == "1"
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        assert json.loads((run / "state.json").read_text())["config"]["class_balance"] == pytest.approx(1.0)
+        (change,) = records(run, "retune")
+        assert set(change["changed"]) == {"class_balance"}
+
+        # the slider left alone: the command as before
+        start.fn(**base, name="unbalanced", cond="group", labels=str(labels), class_balance=bal["value"])
+        assert "--class-balance" not in trainer_argv(m.runs_dir / "unbalanced")
+    finally:
+        m.stop_all(wait=True, grace_s=5)

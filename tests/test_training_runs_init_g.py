@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import InputError
-from tests.test_train_tab_aug import records, trainer_argv
+from tests.test_train_tab_aug import records, settle, trainer_argv
 from tests.test_training_runs import write_tiny_dataset
 from training import checkpoint as ckpt
 from training import cli
@@ -44,13 +44,6 @@ def stand_in(tmp_path):
     m = TrainingRunManager(tmp_path / "runs", python=TRUE)
     yield m
     m.stop_all(wait=True, grace_s=5)
-
-
-def settle(m: TrainingRunManager) -> None:
-    """Wait for the stand-in children to exit: start() refuses a new run while one is alive, and on a loaded
-    machine `true` may not have exited by the next call."""
-    for child in list(m._children.values()):
-        child.proc.wait(timeout=120)
 
 
 def request(src, **kw) -> TrainRequest:

@@ -405,7 +405,8 @@ def test_train_tab_starts_watches_and_stops_a_run(page, studio, tmp_path, monkey
     # the Classes accordion opens on its two fields (what they send is tested through the handler,
     # tests/test_train_tab_aug.py: a typed value racing the Start click on a busy box made this flaky in CI)
     page.locator("#train-classes").get_by_text("Classes (conditional)").click()
-    for elem, label in (("train-cond", "Class key"), ("train-labels", "Labels file")):
+    for elem, label in (("train-cond", "Class key"), ("train-labels", "Labels file"),
+                        ("train-class-balance", "Class balance")):
         page.locator(f"#{elem} textarea, #{elem} input").first.wait_for(state="visible", timeout=LONG)
         assert label in page.inner_text(f"#{elem}")
     # and so does "Start from a trained generator" (what it sends: tests/test_training_runs_init_g.py)

@@ -134,6 +134,8 @@ class TrainRequest:
     freeze_g_kimg: float = 0.0          # the run's first N kimg train D alone (a fresh D catches up with G)
     cbase: int = 0                      # channel base / most channels of G and D; 0 = the preset's (with init_g:
     cmax: int = 0                       # the generator's, when they differ from the preset's)
+    class_balance: float = 0.0          # with cond: 0 = classes as often as the data has them, 0.5 = square root,
+                                        # 1 = every class equally often (docs/training.md, "Class balance")
 
     def checked(self) -> "TrainRequest":
         """The same request with defaults filled in; raises InputError on what the trainer would refuse."""
@@ -192,6 +194,11 @@ class TrainRequest:
             if not lp.is_file():
                 raise InputError(f"labels file not found: {labels}; give a JSON file on the studio's machine")
             labels = str(lp)
+        balance = float(self.class_balance or 0)
+        if not 0.0 <= balance <= 1.0:        # (NaN too)
+            raise InputError(f"the class balance must be between 0 and 1 (0 = classes as often as your images have "
+                             f"them, 0.5 = square-root: small classes more often, 1 = every class equally often); "
+                             f"got {self.class_balance}")
         if int(self.cbase or 0) < 0 or int(self.cmax or 0) < 0:
             raise InputError(f"the channel base and most channels must be positive (or 0 for the preset's); "
                              f"got {self.cbase}, {self.cmax}")
@@ -214,9 +221,14 @@ class TrainRequest:
         name = name or f"{self.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         req = TrainRequest(**{**asdict(self), "data": data, "resolution": res, "kimg": kimg, "minutes": minutes,
                               "aug_pipe": pipe, "ada_max_p": max_p, "name": name, "cond": cond, "labels": labels,
-                              "init_g": init_g, "freeze_g_kimg": freeze, "extra_args": tuple(self.extra_args)})
+                              "init_g": init_g, "freeze_g_kimg": freeze, "class_balance": balance,
+                              "extra_args": tuple(self.extra_args)})
         if init_g:
             req = req._from_generator()
+        if balance and not req.cond and not self.resume:
+            # (a conditional generator gave its class key above; a resumed run's classes are in its checkpoint,
+            # checked where the run folder is known: TrainingRunManager.start)
+            raise InputError(_UNCONDITIONAL_BALANCE.format(balance=balance, run="this run"))
         # the trainer's own validation of the options that do not depend on the data
         cfg = build_config(self.preset, req.resolution, **req.overrides())
         if init_g:
@@ -290,7 +302,8 @@ class TrainRequest:
                 "log_every": int(self.log_every) if self.log_every else None, "seed": self.seed,
                 "cond": self.cond or None, "labels": self.labels or None, "init_g": self.init_g or None,
                 "freeze_g_kimg": float(self.freeze_g_kimg) if self.freeze_g_kimg else None,
-                "cbase": int(self.cbase) if self.cbase else None, "cmax": int(self.cmax) if self.cmax else None}
+                "cbase": int(self.cbase) if self.cbase else None, "cmax": int(self.cmax) if self.cmax else None,
+                "class_balance": float(self.class_balance) if self.class_balance else None}
 
     def cli_args(self, out: Path) -> list[str]:
         """`training.cli` arguments for a checked request writing to `out`."""
@@ -319,6 +332,8 @@ class TrainRequest:
             a += ["--cond", self.cond]
         if self.labels:
             a += ["--labels", self.labels]
+        if self.class_balance:             # 0 passes nothing: the trainer's default, the command as before
+            a += ["--class-balance", f"{float(self.class_balance):g}"]
         if self.init_g:
             a += ["--init-g", self.init_g]
         if self.seed is not None:
@@ -489,6 +504,8 @@ class TrainingRunManager:
                 if not (out / STATE_FILE).is_file():
                     raise InputError(f"there is no checkpoint to resume in {out}; untick Resume to start "
                                      f"a new run named {req.name!r}")
+                if req.class_balance:
+                    _refuse_balance_without_classes(req, out)
                 if not req.retune:
                     _refuse_dropped_recipe(req, out)
             elif out.exists() and any(out.iterdir()):
@@ -771,7 +788,13 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
 # -- helpers ------------------------------------------------------------------------------------------
 # The recipe settings of a request that a plain resume would drop (the trainer keeps the run's own;
 # training/trainer.py RESUME_RETUNABLE), with the words the Train tab uses for them.
-_RECIPE_WORDS = {"batch": "batch", "d_steps": "D:G ratio", "aug_pipe": "augmentation pipe", "ada_max_p": "Max p"}
+_RECIPE_WORDS = {"batch": "batch", "d_steps": "D:G ratio", "aug_pipe": "augmentation pipe", "ada_max_p": "Max p",
+                 "class_balance": "class balance"}
+# what a config saved before a setting existed trained with
+_RECIPE_SAVED_DEFAULTS = {"class_balance": 0.0}
+_UNCONDITIONAL_BALANCE = ("a class balance ({balance:g}) evens out how often each class is trained, and {run} is "
+                          "unconditional (no classes): give the class key under Classes (conditional), or set "
+                          "Class balance to 0")
 
 
 def _refuse_dropped_recipe(req: TrainRequest, out: Path) -> None:
@@ -780,12 +803,20 @@ def _refuse_dropped_recipe(req: TrainRequest, out: Path) -> None:
     saved = ((_read_json(out / STATE_FILE) or {}).get("config")) or {}
     differ = []
     for key, words in _RECIPE_WORDS.items():
-        asked, theirs = getattr(req, key), saved.get(key)
+        asked, theirs = getattr(req, key), saved.get(key, _RECIPE_SAVED_DEFAULTS.get(key) if saved else None)
         if asked and theirs is not None and asked != theirs:
             differ.append(f"{words} {_show(asked)} (the run's: {_show(theirs)})")
     if differ:
         raise InputError(f"a plain resume keeps the run's recipe, so {', '.join(differ)} would be ignored; "
                          "tick Retune to change it, or clear those settings to continue as it was")
+
+
+def _refuse_balance_without_classes(req: TrainRequest, out: Path) -> None:
+    """A resumed run trains the classes of its checkpoint: a class balance for an unconditional one is refused
+    here rather than by the trainer after the studio has started it."""
+    saved = ((_read_json(out / STATE_FILE) or {}).get("config")) or {}
+    if saved and not saved.get("cond"):        # (its own cond: a resumed run keeps it, whatever the form says)
+        raise InputError(_UNCONDITIONAL_BALANCE.format(balance=req.class_balance, run=f"the run {req.name!r}"))
 
 
 def _show(value: Any) -> str:

@@ -37,7 +37,7 @@ GPU_NOTE = ("Training runs as a separate process on the same GPU as generation: 
 # the start event's inputs, in the order of `train_start`'s parameters (its API signature)
 START_FIELDS = ("data", "preset", "resolution", "kimg", "minutes", "batch", "loss", "d_steps", "aug", "aug_p",
                 "auto_countermeasures", "name", "resume", "monitor_kimg", "log_every", "aug_pipe", "ada_max_p",
-                "retune", "cond", "labels", "init_g", "freeze_g_kimg")
+                "retune", "cond", "labels", "init_g", "freeze_g_kimg", "class_balance")
 # "" is the preset's pipe (bgc; emoji64 upright): an untouched control never overrides a preset
 PIPE_CHOICES = [("preset's", "")] + [(p, p) for p in AUG_PIPES]
 
@@ -47,6 +47,8 @@ INIT_NOTE = ("For a model whose run folder (its checkpoint) is gone, or one shar
              "trained G spoils its detail: **train D alone first**, e.g. 400 kimg. The run builds the generator's "
              "network (size, width, classes), so pick the preset it was trained with. A run that still has its "
              "checkpoint: tick *Resume it* instead.")
+BALANCE_INFO = ("0 = classes as often as your images have them, 0.5 = square-root (small classes more often), "
+                "1 = every class equally often; only for class-conditional runs (a class key)")
 
 
 @dataclass
@@ -210,6 +212,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                                  placeholder="empty = the preset's, or the data's dataset.json",
                                                  info="JSON: per-image class indices under the key, or NVlabs' "
                                                       "dataset.json")
+                    C["class_balance"] = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Class balance",
+                                                   elem_id="train-class-balance", info=BALANCE_INFO)
                 with gr.Accordion("Start from a trained generator", open=False, elem_id="train-init") as init_box:
                     gr.Markdown(INIT_NOTE, elem_id="train-init-note")
                     with gr.Row():
@@ -282,11 +286,12 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
     def train_start(data="", preset="stylegan2", resolution=0, kimg=0, minutes=0, batch=0, loss="r1", d_steps=0,
                     aug="ada", aug_p=0.0, auto_countermeasures=False, name="", resume=False, monitor_kimg=0,
                     log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, cond="", labels="", init_g="",
-                    freeze_g_kimg=0.0, view: TrainView = None):
+                    freeze_g_kimg=0.0, class_balance=0.0, view: TrainView = None):
         """Start a training run in a separate process; the live view follows it. `cond` (a class key) trains a
         class-conditional model on the labels under that key of `labels` (or of the data set's dataset.json).
         `init_g` (a generator's name in the picker, or a path) starts a new run's G from that exported generator,
-        D fresh; `freeze_g_kimg` trains D alone for the run's first N kimg."""
+        D fresh; `freeze_g_kimg` trains D alone for the run's first N kimg. `class_balance` (0..1, with a class key)
+        evens out how often the classes are trained: 0 = the data's proportions, 0.5 = square root, 1 = equal."""
         if settings.public:
             data = _check_visitor_data(settings, str(data or ""))
             if str(labels or "").strip():
@@ -307,7 +312,7 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                monitor_kimg=float(monitor_kimg or 0), log_every=int(log_every or 0),
                                aug_pipe=str(aug_pipe or ""), ada_max_p=float(ada_max_p or 0), retune=bool(retune),
                                cond=str(cond or "").strip(), labels=str(labels or "").strip(), init_g=init_g,
-                               freeze_g_kimg=float(freeze_g_kimg or 0))
+                               freeze_g_kimg=float(freeze_g_kimg or 0), class_balance=float(class_balance or 0))
             st = manager.start(req)
         except AtelierError as exc:
             raise gr.Error(str(exc)) from None
