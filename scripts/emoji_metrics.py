@@ -303,16 +303,11 @@ def run(args) -> dict:
     result["snapshots"].sort(key=lambda r: (r["kimg"] is None, r["kimg"] or 0))
     if args.out:
         _write(result, args.out)
-    if args.plot:
-        why = plot(result, args.plot)
-        result["plot"] = None if why else str(args.plot)
-        if why:
-            print(f"note: {why}", file=sys.stderr)
-        if args.out:
-            _write(result, args.out)
-    if args.class_plot:
-        why = class_plot(result, args.class_plot)
-        result["class_plot"] = None if why else str(args.class_plot)
+    for key, draw, target in (("plot", plot, args.plot), ("class_plot", class_plot, args.class_plot)):
+        if not target:
+            continue
+        why = draw(result, target)
+        result[key] = None if why else str(target)
         if why:
             print(f"note: {why}", file=sys.stderr)
         if args.out:
