@@ -103,11 +103,11 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
         z = torch.randn([b, G.z_dim], generator=gen, device=device)
         c, centre = None, {}
         if c_dim:
-            pick = torch.randint(0, len(pool), (b,), generator=gen, device=device)
-            c = torch.nn.functional.one_hot(pool[pick], c_dim).float()
-            drawn.append(pool[pick].cpu().numpy())
+            cls = pool[torch.randint(0, len(pool), (b,), generator=gen, device=device)]
+            c = torch.nn.functional.one_hot(cls, c_dim).float()
+            drawn.append(cls.cpu().numpy())
             if centres is not None and truncation != 1:
-                centre = {"truncation_centre": centres(pool[pick].tolist())}
+                centre = {"truncation_centre": centres(drawn[-1].tolist())}
         img = G(z, c, truncation_psi=truncation, noise_mode="const", **centre)
         out.append(features(quantize(img), classifier, batch=batch))
         if bar is not None:
@@ -115,13 +115,6 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
     if bar is not None:
         bar.close()
     return np.concatenate(out), (np.concatenate(drawn) if drawn else None)
-
-
-def real_agreement(real: np.ndarray, classifier, asked: np.ndarray, level: str) -> dict:
-    """The ceiling of the class agreement: the classifier on the data set's own images and labels (every one of
-    them seen in its training, so this is what a generator that reproduced the data would score)."""
-    pc, pg = heads(real, classifier)
-    return class_agreement(pc, pg, asked, classifier, level)
 
 
 def reference_floor(real: np.ndarray, k: int, seed: int, device) -> dict:
@@ -270,22 +263,22 @@ def run(args) -> dict:
             from training.dataset import load_labels
             labels, _ = load_labels(args.labels, key, len(real_images))
         centre = args.truncation_centre if labels is not None else "global"
-        fake, drawn = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed, device,
-                                  desc=path.stem, progress=not args.no_progress, labels=labels,
-                                  centres=loaded.class_centres() if centre == "class" else None)
+        fake, drawn = generated_features(loaded.G, classifier, args.n, args.batch, args.truncation, args.seed,
+                                         device, desc=path.stem, progress=not args.no_progress, labels=labels,
+                                         centres=loaded.class_centres() if centre == "class" else None)
         row = {"file": str(path), "kimg": kimg, "sha256": loaded.sha256, "truncation_centre": centre,
                "fd": frechet_distance(real, fake),
                **precision_recall(real, fake, k=args.k, device=device)}
         names = (meta.get("classes") or {}).get("names") or []
-        mapped = class_map(names, classifier) if drawn is not None else None
-        if drawn is not None and len(names) != int(loaded.G.c_dim):
-            mapped = None
+        mapped = class_map(names, classifier) if drawn is not None and len(names) == loaded.G.c_dim else None
         if mapped is not None:
             level, index = mapped
             pc, pg = heads(fake, classifier)
             row["agreement"] = class_agreement(pc, pg, index[drawn], classifier, level)
             if "real_agreement" not in result:
-                result["real_agreement"] = real_agreement(real, classifier, index[labels], level)
+                # the ceiling: the classifier on the data set's own images and labels (it saw every one of them
+                # in training, so this is what a generator that reproduced the data would score)
+                result["real_agreement"] = class_agreement(*heads(real, classifier), index[labels], classifier, level)
         elif drawn is not None:
             row["agreement"] = None
             print(f"note: {path.name}'s class names are not the classifier's classes or groups, so there is no "
@@ -293,9 +286,9 @@ def run(args) -> dict:
         row["seconds"] = round(time.time() - t, 2)
         result["snapshots"].append(row)
         del loaded
-        agree = row.get("agreement") or {}
-        agree = (f"  agreement {agree['class_top1']:.3f} (balanced {agree['balanced_top1']:.3f})" if "class_top1" in agree else
-                 f"  group agreement {agree['group_top1']:.3f}" if agree else "")
+        a = row.get("agreement") or {}
+        agree = (f"  agreement {a['class_top1']:.3f} (balanced {a['balanced_top1']:.3f})" if "class_top1" in a
+                 else f"  group agreement {a['group_top1']:.3f}" if a else "")
         print(f"{path.name}: kimg {kimg if kimg is not None else '?'}  FD {row['fd']:.3f}  precision "
               f"{row['precision']:.3f}  recall {row['recall']:.3f}{agree}  ({row['seconds']:.1f} s)", file=sys.stderr)
         if args.out:
