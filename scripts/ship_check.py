@@ -1,0 +1,126 @@
+"""Should a freshly trained emoji model replace the shipped one? The runbook's ship rule, computed.
+
+    python scripts/ship_check.py metrics-vs-shipped-psi0.7.json [--shipped assets/models/emoji64.safetensors]
+                                 [--fd-slack 0.10] [--json verdict.json]
+
+The input is what `scripts/emoji_metrics.py --generator CANDIDATE SHIPPED --truncation 0.7` wrote (the file
+`scripts/h200_train.sh finish` brings back as `metrics-vs-shipped-psi0.7.json`): two models scored on the same
+latents in one call. The rule (docs/gpu-runbook.md §1) has two numeric parts, both required:
+
+- the per-class mean class agreement (`balanced_top1`: every class weighs the same) is above the shipped
+  model's: the small classes, where the shipped model lags, get better;
+- the Fréchet distance is at most `--fd-slack` (default 10 %) above the shipped model's: the big classes,
+  which FD weighs most, do not pay too much for it.
+
+The third part, that the class sheet (scripts/class_sheet.py) reads better, is a person's call: the script
+says so and leaves it to them. Exit status: 0 when both numeric parts hold, 1 when one fails, 2 when the
+file cannot be judged (not two models, no agreement, no shipped model in it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_SHIPPED = "assets/models/emoji64.safetensors"
+
+
+class VerdictError(ValueError):
+    """The metrics file cannot be judged; the message says why and what to run instead."""
+
+
+def _is_shipped(entry: dict, shipped: str) -> bool:
+    f = str(entry.get("file", "")).replace("\\", "/")
+    s = shipped.replace("\\", "/")
+    return f == s or f.endswith("/" + s)
+
+
+def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.10) -> dict:
+    """The ship rule on one emoji_metrics.py result holding the candidate and the shipped model."""
+    if not 0 <= fd_slack < 1:
+        raise VerdictError(f"--fd-slack is a fraction in [0, 1), e.g. 0.10 for 10 %; got {fd_slack}")
+    snaps = metrics.get("snapshots")
+    if not isinstance(snaps, list) or len(snaps) != 2:
+        n = len(snaps) if isinstance(snaps, list) else 0
+        raise VerdictError(f"the file scores {n} model(s); the rule compares exactly two: run "
+                           f"`scripts/emoji_metrics.py --generator CANDIDATE {shipped} --truncation 0.7`")
+    ship = [s for s in snaps if _is_shipped(s, shipped)]
+    if len(ship) != 1:
+        files = ", ".join(str(s.get("file")) for s in snaps)
+        raise VerdictError(f"exactly one of the two models must be the shipped {shipped} (give --shipped if it "
+                           f"lives elsewhere); the file has {files}")
+    old = ship[0]
+    new = snaps[0] if snaps[1] is old else snaps[1]
+    for s in (new, old):
+        if not isinstance(s.get("agreement"), dict) or "balanced_top1" not in s["agreement"]:
+            raise VerdictError(f"{s.get('file')} has no class agreement: the rule is for class-conditional models, "
+                               "scored by an emoji_metrics.py that reports it")
+        if not isinstance(s.get("fd"), (int, float)):
+            raise VerdictError(f"{s.get('file')} has no FD")
+    bal_new, bal_old = new["agreement"]["balanced_top1"], old["agreement"]["balanced_top1"]
+    fd_new, fd_old = float(new["fd"]), float(old["fd"])
+    fd_limit = fd_old * (1 + fd_slack)
+    checks = {
+        "per_class_mean_up": {"ok": bal_new > bal_old, "candidate": bal_new, "shipped": bal_old},
+        "fd_within_slack": {"ok": fd_new <= fd_limit, "candidate": fd_new, "shipped": fd_old, "limit": fd_limit},
+    }
+    return {
+        "truncation": metrics.get("truncation"),
+        "n": metrics.get("n"),
+        "candidate": {"file": new.get("file"), "kimg": new.get("kimg")},
+        "shipped": {"file": old.get("file"), "kimg": old.get("kimg")},
+        "checks": checks,
+        "also_shown": {k: {"candidate": new.get(k) if k != "class_top1" else new["agreement"].get(k),
+                           "shipped": old.get(k) if k != "class_top1" else old["agreement"].get(k)}
+                       for k in ("precision", "recall", "class_top1")},
+        "ship": all(c["ok"] for c in checks.values()),
+        "still_to_judge": "the class sheet (scripts/class_sheet.py CANDIDATE sheet.png) must read better too",
+    }
+
+
+def report(v: dict) -> str:
+    c = v["checks"]
+    mark = lambda ok: "yes" if ok else "NO"
+    lines = [
+        f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
+        f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
+        f"  per-class mean agreement {c['per_class_mean_up']['candidate']:.3f} vs {c['per_class_mean_up']['shipped']:.3f}"
+        f"  above: {mark(c['per_class_mean_up']['ok'])}",
+        f"  FD {c['fd_within_slack']['candidate']:.3f} vs {c['fd_within_slack']['shipped']:.3f} (limit "
+        f"{c['fd_within_slack']['limit']:.3f})  within: {mark(c['fd_within_slack']['ok'])}",
+        "  " + ", ".join(f"{k} {d['candidate']:.3f} vs {d['shipped']:.3f}" for k, d in v["also_shown"].items()
+                         if isinstance(d["candidate"], (int, float)) and isinstance(d["shipped"], (int, float))),
+        ("SHIP (numbers): " + v["still_to_judge"]) if v["ship"] else "DO NOT SHIP: the shipped model stays",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("metrics", type=Path, help="emoji_metrics.py JSON with the candidate and the shipped model")
+    ap.add_argument("--shipped", default=DEFAULT_SHIPPED, help="the shipped model's path as the JSON names it")
+    ap.add_argument("--fd-slack", type=float, default=0.10, help="how much worse FD may be, as a fraction")
+    ap.add_argument("--json", type=Path, default=None, help="also write the verdict here")
+    a = ap.parse_args(argv)
+    try:
+        metrics = json.loads(a.metrics.read_text())
+    except OSError as e:
+        print(f"error: cannot read {a.metrics}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {a.metrics} is not JSON ({e}); give the file emoji_metrics.py --out wrote", file=sys.stderr)
+        return 2
+    try:
+        v = verdict(metrics, a.shipped, a.fd_slack)
+    except VerdictError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(v))
+    if a.json:
+        a.json.write_text(json.dumps(v, indent=1) + "\n")
+    return 0 if v["ship"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""scripts/ship_check.py: the runbook's ship rule, on the committed side-by-side scores of real GPU runs."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import ship_check  # noqa: E402
+
+# the 2026-12-07 sitting: a candidate at 4,429 kimg beside the shipped 3,507-kimg model, psi 0.7, 10,000 samples
+RUN = ROOT / "docs/results/2026-12-07-e572d15-h100-emoji64-balance05-vs-shipped-psi07.json"
+# the 2026-12-04 comparison predates class agreement (and its shipped model was unconditional)
+OLD = ROOT / "docs/results/2026-12-04-f07b155-emoji64-cond2-vs-shipped-psi07.json"
+SHIPPED = "assets/models/emoji64.safetensors"
+
+
+def _load():
+    return json.loads(RUN.read_text())
+
+
+def _by_file(m):
+    return {s["file"]: s for s in m["snapshots"]}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/ship_check.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_the_2026_12_07_candidate_is_not_shipped():
+    m = _load()
+    snaps = _by_file(m)
+    old, new = snaps[SHIPPED], next(s for f, s in snaps.items() if f != SHIPPED)
+    v = ship_check.verdict(m)
+    assert v["shipped"]["file"] == SHIPPED and v["candidate"]["file"] == new["file"]
+    assert v["candidate"]["kimg"] > v["shipped"]["kimg"]
+    c = v["checks"]
+    assert c["per_class_mean_up"]["candidate"] == new["agreement"]["balanced_top1"]
+    assert c["per_class_mean_up"]["shipped"] == old["agreement"]["balanced_top1"]
+    assert c["fd_within_slack"]["limit"] == pytest.approx(old["fd"] * 1.10)
+    # the run got worse on both counts (docs/training.md, "The 2026-12-07 class-balance sitting")
+    assert not c["per_class_mean_up"]["ok"] and not c["fd_within_slack"]["ok"]
+    assert v["ship"] is False
+
+
+def test_the_cli_says_do_not_ship_and_writes_the_verdict(tmp_path):
+    out = tmp_path / "verdict.json"
+    r = _cli(RUN, "--json", out)
+    assert r.returncode == 1, r.stderr
+    assert "DO NOT SHIP" in r.stdout and "per-class mean agreement" in r.stdout
+    v = json.loads(out.read_text())
+    assert v["ship"] is False and set(v["checks"]) == {"per_class_mean_up", "fd_within_slack"}
+
+
+def test_roles_swapped_the_better_model_ships(tmp_path):
+    # the same two real scores with the roles exchanged: the 3,507-kimg model as the candidate against the
+    # 4,429-kimg one as the shipped model beats it on both counts
+    m = _load()
+    for s in m["snapshots"]:
+        s["file"] = "runs/x/emoji64.safetensors" if s["file"] == SHIPPED else SHIPPED
+    p = tmp_path / "swapped.json"
+    p.write_text(json.dumps(m))
+    r = _cli(p)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SHIP (numbers)" in r.stdout and "class sheet" in r.stdout
+
+
+def test_fd_slack_is_a_bound_both_ways():
+    m = _load()
+    snaps = _by_file(m)
+    old = snaps[SHIPPED]
+    new = next(s for f, s in snaps.items() if f != SHIPPED)
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] + 0.01
+    new["fd"] = old["fd"] * 1.05
+    assert ship_check.verdict(copy.deepcopy(m))["ship"] is True
+    assert ship_check.verdict(copy.deepcopy(m), fd_slack=0.02)["ship"] is False
+    new["fd"] = old["fd"] * 1.2
+    assert ship_check.verdict(copy.deepcopy(m))["ship"] is False
+    # equal per-class mean is not "above"
+    new["fd"] = old["fd"]
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"]
+    assert ship_check.verdict(m)["checks"]["per_class_mean_up"]["ok"] is False
+
+
+def test_files_it_cannot_judge_get_a_clear_error(tmp_path):
+    m = _load()
+    one = copy.deepcopy(m)
+    one["snapshots"] = one["snapshots"][:1]
+    with pytest.raises(ship_check.VerdictError, match="exactly two"):
+        ship_check.verdict(one)
+    neither = copy.deepcopy(m)
+    for s in neither["snapshots"]:
+        s["file"] = "elsewhere/" + Path(s["file"]).name + ".x"
+    with pytest.raises(ship_check.VerdictError, match="--shipped"):
+        ship_check.verdict(neither)
+    with pytest.raises(ship_check.VerdictError, match="fraction"):
+        ship_check.verdict(m, fd_slack=10)
+    # a comparison without class agreement (the 2026-12-04 one): exit 2 with the reason
+    r = _cli(OLD)
+    assert r.returncode == 2 and "no class agreement" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    r = _cli(bad)
+    assert r.returncode == 2 and "not JSON" in r.stderr
+    r = _cli(tmp_path / "missing.json")
+    assert r.returncode == 2 and "cannot read" in r.stderr
+    # --shipped finds the shipped model wherever the call named it
+    moved = copy.deepcopy(m)
+    for s in moved["snapshots"]:
+        if s["file"] == SHIPPED:
+            s["file"] = "/root/repo/" + SHIPPED
+    assert ship_check.verdict(moved)["shipped"]["kimg"] == _by_file(m)[SHIPPED]["kimg"]
