@@ -1,14 +1,17 @@
 """Should a freshly trained emoji model replace the shipped one? The runbook's ship rule, computed.
 
     python scripts/ship_check.py metrics-vs-shipped-psi0.7.json [--shipped assets/models/emoji64.safetensors]
-                                 [--fd-slack 0.10] [--json verdict.json]
+                                 [--fd-slack 0.10] [--z 2] [--json verdict.json]
 
 The input is what `scripts/emoji_metrics.py --generator CANDIDATE SHIPPED --truncation 0.7` wrote (the file
 `scripts/h200_train.sh finish` brings back as `metrics-vs-shipped-psi0.7.json`): two models scored on the same
 latents in one call. The rule (docs/gpu-runbook.md §1) has two numeric parts, both required:
 
 - the per-class mean class agreement (`balanced_top1`: every class weighs the same) is above the shipped
-  model's: the small classes, where the shipped model lags, get better;
+  model's by more than `--z` (default 2) standard errors of the difference: the small classes, where the shipped
+  model lags, get better, and not by the luck of a few samples (a class of 6 images gets ~15 of 10,000 samples,
+  so one class's top-1 moves by 0.07 a sample; the standard error, from each class's count and top-1 as
+  independent binomials, is about 0.006 at 10,000 samples);
 - the Fréchet distance is at most `--fd-slack` (default 10 %) above the shipped model's: the big classes,
   which FD weighs most, do not pay too much for it.
 
@@ -36,10 +39,32 @@ def _is_shipped(entry: dict, shipped: str) -> bool:
     return f == s or f.endswith("/" + s)
 
 
-def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.10) -> dict:
+def balanced_gain_se(new_classes: list[dict], old_classes: list[dict]) -> float:
+    """Standard error of the difference of two per-class means of top-1: each class's top-1 a binomial share of
+    its n samples, the two models independent (they share latents and classes, which if anything makes the
+    true error smaller), every class weighing 1/C as in `balanced_top1`."""
+    if len(new_classes) != len(old_classes):
+        raise VerdictError(f"the two models were scored on different classes ({len(new_classes)} and "
+                           f"{len(old_classes)}): score them in one emoji_metrics.py call")
+    var = 0.0
+    for a, b in zip(new_classes, old_classes):
+        if a.get("name") != b.get("name"):
+            raise VerdictError(f"the two models' classes differ ({a.get('name')!r} against {b.get('name')!r}): "
+                               "score them in one emoji_metrics.py call")
+        for r in (a, b):
+            n = int(r.get("n") or 0)
+            if n <= 0:
+                raise VerdictError(f"class {r.get('name')!r} has no samples: score with more samples (--n)")
+            var += r["top1"] * (1 - r["top1"]) / n
+    return var ** 0.5 / len(new_classes)
+
+
+def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.10, z: float = 2.0) -> dict:
     """The ship rule on one emoji_metrics.py result holding the candidate and the shipped model."""
     if not 0 <= fd_slack < 1:
         raise VerdictError(f"--fd-slack is a fraction in [0, 1), e.g. 0.10 for 10 %; got {fd_slack}")
+    if not 0 <= z <= 10:
+        raise VerdictError(f"--z is a number of standard errors in [0, 10], e.g. 2; got {z}")
     snaps = metrics.get("snapshots")
     if not isinstance(snaps, list) or len(snaps) != 2:
         n = len(snaps) if isinstance(snaps, list) else 0
@@ -53,7 +78,8 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
     old = ship[0]
     new = snaps[0] if snaps[1] is old else snaps[1]
     for s in (new, old):
-        if not isinstance(s.get("agreement"), dict) or "balanced_top1" not in s["agreement"]:
+        if not isinstance(s.get("agreement"), dict) or "balanced_top1" not in s["agreement"] \
+                or not isinstance(s["agreement"].get("per_class"), list):
             raise VerdictError(f"{s.get('file')} has no class agreement: the rule is for class-conditional models, "
                                "scored by an emoji_metrics.py that reports it")
         if not isinstance(s.get("fd"), (int, float)):
@@ -61,8 +87,11 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
     bal_new, bal_old = new["agreement"]["balanced_top1"], old["agreement"]["balanced_top1"]
     fd_new, fd_old = float(new["fd"]), float(old["fd"])
     fd_limit = fd_old * (1 + fd_slack)
+    se = balanced_gain_se(new["agreement"]["per_class"], old["agreement"]["per_class"])
+    gain = bal_new - bal_old
     checks = {
-        "per_class_mean_up": {"ok": bal_new > bal_old, "candidate": bal_new, "shipped": bal_old},
+        "per_class_mean_up": {"ok": gain > 0 and gain > z * se, "candidate": bal_new, "shipped": bal_old,
+                              "gain": gain, "se": se, "z": z},
         "fd_within_slack": {"ok": fd_new <= fd_limit, "candidate": fd_new, "shipped": fd_old, "limit": fd_limit},
     }
     return {
@@ -86,7 +115,8 @@ def report(v: dict) -> str:
         f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
         f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
         f"  per-class mean agreement {c['per_class_mean_up']['candidate']:.3f} vs {c['per_class_mean_up']['shipped']:.3f}"
-        f"  above: {mark(c['per_class_mean_up']['ok'])}",
+        f" (gain {c['per_class_mean_up']['gain']:+.3f}, standard error {c['per_class_mean_up']['se']:.3f})"
+        f"  above by > {c['per_class_mean_up']['z']:g} SE: {mark(c['per_class_mean_up']['ok'])}",
         f"  FD {c['fd_within_slack']['candidate']:.3f} vs {c['fd_within_slack']['shipped']:.3f} (limit "
         f"{c['fd_within_slack']['limit']:.3f})  within: {mark(c['fd_within_slack']['ok'])}",
         "  " + ", ".join(f"{k} {d['candidate']:.3f} vs {d['shipped']:.3f}" for k, d in v["also_shown"].items()
@@ -101,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("metrics", type=Path, help="emoji_metrics.py JSON with the candidate and the shipped model")
     ap.add_argument("--shipped", default=DEFAULT_SHIPPED, help="the shipped model's path as the JSON names it")
     ap.add_argument("--fd-slack", type=float, default=0.10, help="how much worse FD may be, as a fraction")
+    ap.add_argument("--z", type=float, default=2.0,
+                    help="how many standard errors the per-class mean must gain by (0: any gain)")
     ap.add_argument("--json", type=Path, default=None, help="also write the verdict here")
     a = ap.parse_args(argv)
     try:
@@ -112,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {a.metrics} is not JSON ({e}); give the file emoji_metrics.py --out wrote", file=sys.stderr)
         return 2
     try:
-        v = verdict(metrics, a.shipped, a.fd_slack)
+        v = verdict(metrics, a.shipped, a.fd_slack, a.z)
     except VerdictError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -71,21 +71,46 @@ def test_roles_swapped_the_better_model_ships(tmp_path):
     assert "SHIP (numbers)" in r.stdout and "class sheet" in r.stdout
 
 
-def test_fd_slack_is_a_bound_both_ways():
+def test_the_standard_error_follows_the_per_class_counts():
     m = _load()
     snaps = _by_file(m)
     old = snaps[SHIPPED]
     new = next(s for f, s in snaps.items() if f != SHIPPED)
-    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] + 0.01
+    se = ship_check.balanced_gain_se(new["agreement"]["per_class"], old["agreement"]["per_class"])
+    # by hand: binomial variances over each class's samples, both models, every class weighing 1/C
+    var = sum(r["top1"] * (1 - r["top1"]) / r["n"]
+              for r in new["agreement"]["per_class"] + old["agreement"]["per_class"])
+    assert se == pytest.approx(var ** 0.5 / len(old["agreement"]["per_class"]))
+    assert 0.001 < se < 0.05
+    # four times the samples in every class: half the standard error
+    quad = [dict(r, n=4 * r["n"]) for r in new["agreement"]["per_class"]], \
+        [dict(r, n=4 * r["n"]) for r in old["agreement"]["per_class"]]
+    assert ship_check.balanced_gain_se(*quad) == pytest.approx(se / 2)
+    with pytest.raises(ship_check.VerdictError, match="different classes"):
+        ship_check.balanced_gain_se(new["agreement"]["per_class"][:-1], old["agreement"]["per_class"])
+
+
+def test_the_gain_must_clear_the_noise_and_fd_the_slack():
+    m = _load()
+    snaps = _by_file(m)
+    old = snaps[SHIPPED]
+    new = next(s for f, s in snaps.items() if f != SHIPPED)
+    se = ship_check.verdict(m)["checks"]["per_class_mean_up"]["se"]
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] + 3 * se
     new["fd"] = old["fd"] * 1.05
     assert ship_check.verdict(copy.deepcopy(m))["ship"] is True
     assert ship_check.verdict(copy.deepcopy(m), fd_slack=0.02)["ship"] is False
+    assert ship_check.verdict(copy.deepcopy(m), z=4)["ship"] is False
     new["fd"] = old["fd"] * 1.2
     assert ship_check.verdict(copy.deepcopy(m))["ship"] is False
-    # equal per-class mean is not "above"
+    # a gain inside the noise is not enough by default, though it is "above" with --z 0
     new["fd"] = old["fd"]
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] + se
+    assert ship_check.verdict(copy.deepcopy(m))["checks"]["per_class_mean_up"]["ok"] is False
+    assert ship_check.verdict(copy.deepcopy(m), z=0)["checks"]["per_class_mean_up"]["ok"] is True
+    # equal is never above
     new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"]
-    assert ship_check.verdict(m)["checks"]["per_class_mean_up"]["ok"] is False
+    assert ship_check.verdict(m, z=0)["checks"]["per_class_mean_up"]["ok"] is False
 
 
 def test_files_it_cannot_judge_get_a_clear_error(tmp_path):
@@ -101,6 +126,8 @@ def test_files_it_cannot_judge_get_a_clear_error(tmp_path):
         ship_check.verdict(neither)
     with pytest.raises(ship_check.VerdictError, match="fraction"):
         ship_check.verdict(m, fd_slack=10)
+    with pytest.raises(ship_check.VerdictError, match="standard errors"):
+        ship_check.verdict(m, z=-1)
     # a comparison without class agreement (the 2026-12-04 one): exit 2 with the reason
     r = _cli(OLD)
     assert r.returncode == 2 and "no class agreement" in r.stderr
