@@ -108,9 +108,13 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
     }
 
 
+def _mark(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
 def report(v: dict) -> str:
     c = v["checks"]
-    mark = lambda ok: "yes" if ok else "NO"
+    mark = _mark
     lines = [
         f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
         f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
