@@ -114,15 +114,14 @@ def _mark(ok: bool) -> str:
 
 def report(v: dict) -> str:
     c = v["checks"]
-    mark = _mark
     lines = [
         f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
         f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
         f"  per-class mean agreement {c['per_class_mean_up']['candidate']:.3f} vs {c['per_class_mean_up']['shipped']:.3f}"
         f" (gain {c['per_class_mean_up']['gain']:+.3f}, standard error {c['per_class_mean_up']['se']:.3f})"
-        f"  above by > {c['per_class_mean_up']['z']:g} SE: {mark(c['per_class_mean_up']['ok'])}",
+        f"  above by > {c['per_class_mean_up']['z']:g} SE: {_mark(c['per_class_mean_up']['ok'])}",
         f"  FD {c['fd_within_slack']['candidate']:.3f} vs {c['fd_within_slack']['shipped']:.3f} (limit "
-        f"{c['fd_within_slack']['limit']:.3f})  within: {mark(c['fd_within_slack']['ok'])}",
+        f"{c['fd_within_slack']['limit']:.3f})  within: {_mark(c['fd_within_slack']['ok'])}",
         "  " + ", ".join(f"{k} {d['candidate']:.3f} vs {d['shipped']:.3f}" for k, d in v["also_shown"].items()
                          if isinstance(d["candidate"], (int, float)) and isinstance(d["shipped"], (int, float))),
         ("SHIP (numbers): " + v["still_to_judge"]) if v["ship"] else "DO NOT SHIP: the shipped model stays",
