@@ -90,7 +90,7 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
     se = balanced_gain_se(new["agreement"]["per_class"], old["agreement"]["per_class"])
     gain = bal_new - bal_old
     checks = {
-        "per_class_mean_up": {"ok": gain > 0 and gain > z * se, "candidate": bal_new, "shipped": bal_old,
+        "per_class_mean_up": {"ok": gain > max(z * se, 0.0), "candidate": bal_new, "shipped": bal_old,
                               "gain": gain, "se": se, "z": z},
         "fd_within_slack": {"ok": fd_new <= fd_limit, "candidate": fd_new, "shipped": fd_old, "limit": fd_limit},
     }
@@ -100,12 +100,16 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
         "candidate": {"file": new.get("file"), "kimg": new.get("kimg")},
         "shipped": {"file": old.get("file"), "kimg": old.get("kimg")},
         "checks": checks,
-        "also_shown": {k: {"candidate": new.get(k) if k != "class_top1" else new["agreement"].get(k),
-                           "shipped": old.get(k) if k != "class_top1" else old["agreement"].get(k)}
+        "also_shown": {k: {"candidate": _figure(new, k), "shipped": _figure(old, k)}
                        for k in ("precision", "recall", "class_top1")},
         "ship": all(c["ok"] for c in checks.values()),
         "still_to_judge": "the class sheet (scripts/class_sheet.py CANDIDATE sheet.png) must read better too",
     }
+
+
+def _figure(entry: dict, key: str):
+    """A model's figure from its emoji_metrics.py entry (class top-1 sits under its agreement)."""
+    return entry["agreement"].get(key) if key == "class_top1" else entry.get(key)
 
 
 def _mark(ok: bool) -> str:
@@ -113,15 +117,13 @@ def _mark(ok: bool) -> str:
 
 
 def report(v: dict) -> str:
-    c = v["checks"]
+    up, fd = v["checks"]["per_class_mean_up"], v["checks"]["fd_within_slack"]
     lines = [
         f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
         f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
-        f"  per-class mean agreement {c['per_class_mean_up']['candidate']:.3f} vs {c['per_class_mean_up']['shipped']:.3f}"
-        f" (gain {c['per_class_mean_up']['gain']:+.3f}, standard error {c['per_class_mean_up']['se']:.3f})"
-        f"  above by > {c['per_class_mean_up']['z']:g} SE: {_mark(c['per_class_mean_up']['ok'])}",
-        f"  FD {c['fd_within_slack']['candidate']:.3f} vs {c['fd_within_slack']['shipped']:.3f} (limit "
-        f"{c['fd_within_slack']['limit']:.3f})  within: {_mark(c['fd_within_slack']['ok'])}",
+        f"  per-class mean agreement {up['candidate']:.3f} vs {up['shipped']:.3f} (gain {up['gain']:+.3f}, "
+        f"standard error {up['se']:.3f})  above by > {up['z']:g} SE: {_mark(up['ok'])}",
+        f"  FD {fd['candidate']:.3f} vs {fd['shipped']:.3f} (limit {fd['limit']:.3f})  within: {_mark(fd['ok'])}",
         "  " + ", ".join(f"{k} {d['candidate']:.3f} vs {d['shipped']:.3f}" for k, d in v["also_shown"].items()
                          if isinstance(d["candidate"], (int, float)) and isinstance(d["shipped"], (int, float))),
         ("SHIP (numbers): " + v["still_to_judge"]) if v["ship"] else "DO NOT SHIP: the shipped model stays",
