@@ -335,6 +335,47 @@ def class_agreement(pred_class, pred_group, asked, classifier: EmojiClassifier, 
     return out
 
 
+def mean_pairwise_distance(feats) -> float:
+    """Mean Euclidean distance over all pairs of distinct rows (an unbiased estimate of E|x - x'| for any n >= 2,
+    so classes with few samples are not biased low or high, only noisier)."""
+    x = torch.as_tensor(np.asarray(feats), dtype=torch.float64)
+    n = len(x)
+    if n < 2:
+        raise InputError(f"a mean pairwise distance needs at least 2 rows; got {n}")
+    return float(torch.cdist(x, x).sum().item() / (n * (n - 1)))
+
+
+def within_class_diversity(fake_feats, fake_classes, real_feats, real_classes, names: list[str] | None = None,
+                           min_real: int = 2) -> dict:
+    """How varied a conditional generator is inside each class, against the data set's own images of that class.
+
+    Per class with at least 2 samples and `min_real` real images: the samples' mean pairwise feature distance over
+    the real images' (1.0: as varied as the data in that class; near 0: one picture per class). A model can draw
+    all 98 classes, and so look as varied as the data over the whole set (its overall diversity stays at the data's),
+    while drawing nearly the same image for every seed inside a class: the failure NoisyTwins (Rangwani et al.,
+    CVPR 2023) names class-wise mode collapse, common in class-conditional StyleGANs on long-tailed data. Returns
+    the mean over classes (every class weighing the same), the median, how many classes are below half the data's,
+    and per class its counts and ratio. `names`: class names for the per-class rows (else indices)."""
+    fake, real = np.asarray(fake_feats), np.asarray(real_feats)
+    fc, rc = np.asarray(fake_classes, dtype=np.int64), np.asarray(real_classes, dtype=np.int64)
+    if len(fake) != len(fc) or len(real) != len(rc):
+        raise InputError(f"one class per feature row is needed; got {len(fake)} rows and {len(fc)} classes for the "
+                         f"samples, {len(real)} and {len(rc)} for the real images")
+    per = []
+    for c in np.unique(fc):
+        f, r = fake[fc == c], real[rc == c]
+        if len(f) < 2 or len(r) < max(2, int(min_real)):
+            continue
+        ratio = mean_pairwise_distance(f) / max(mean_pairwise_distance(r), 1e-12)
+        per.append({"class": int(c), "name": names[c] if names is not None and c < len(names) else str(int(c)),
+                    "n": int(len(f)), "n_real": int(len(r)), "ratio": float(ratio)})
+    if not per:
+        raise InputError("no class has 2 samples and 2 real images: draw more samples per class")
+    ratios = np.array([p["ratio"] for p in per])
+    return {"mean": float(ratios.mean()), "median": float(np.median(ratios)),
+            "below_half": int((ratios < 0.5).sum()), "classes": len(per), "per_class": per}
+
+
 def frechet_distance(real_feats, fake_feats) -> float:
     """The Fréchet distance between Gaussians fitted to two feature sets (evaluation/scores.py's FID)."""
     return fid_from_features(real_feats, fake_feats)

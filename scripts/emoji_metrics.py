@@ -1,6 +1,8 @@
 """Score StyleGAN snapshots of the emoji generator: Fréchet distance and precision/recall (k = 3)
 in the emoji classifier's features, per snapshot, against kimg; for a class-conditional snapshot also the class
-agreement (the classifier's top-1 on each sample against the class it was drawn in; docs/metrics.md).
+agreement (the classifier's top-1 on each sample against the class it was drawn in; docs/metrics.md) and the
+within-class diversity (--per-class samples of every class, their spread against the data's own images of that
+class: 1.0 as varied as the data, near 0 one picture per class).
 
     python scripts/emoji_metrics.py --snapshots runs/emoji64/snapshots [--n 10000] [--device auto]
                                     [--out metrics.json] [--plot metrics.png]
@@ -42,7 +44,7 @@ from core.device import pick_device  # noqa: E402
 from core.errors import AtelierError, InputError  # noqa: E402
 from evaluation.emoji_metric import (DEFAULT_DATA, DEFAULT_LABELS, DEFAULT_WEIGHTS, class_agreement,  # noqa: E402
                                      class_map, features, frechet_distance, heads, load_classifier,
-                                     load_emoji_dataset, precision_recall, quantize)
+                                     load_emoji_dataset, precision_recall, quantize, within_class_diversity)
 
 KIMG_IN_NAME = re.compile(r"(\d+(?:\.\d+)?)kimg")
 
@@ -117,6 +119,34 @@ def generated_features(G: torch.nn.Module, classifier, n: int, batch: int, trunc
     return np.concatenate(out), (np.concatenate(drawn) if drawn else None)
 
 
+# the per-class pass draws its own latents, apart from the main pass's (same --seed, another stream)
+PER_CLASS_SEED_OFFSET = 1_000_003
+
+
+@torch.no_grad()
+def per_class_features(G: torch.nn.Module, classifier, per_class: int, batch: int, truncation: float, seed: int,
+                       device: torch.device, centres=None) -> tuple[np.ndarray, np.ndarray]:
+    """Classifier features of `per_class` samples of every class of a class-conditional G (class 0's first, then
+    class 1's, ...), and the class of each: the balanced draw the within-class diversity needs (the main pass
+    draws classes in the data's proportions, which leaves a class of 6 images 2 or 3 samples at 10,000)."""
+    c_dim = int(getattr(G, "c_dim", 0))
+    if not c_dim:
+        raise InputError("per-class samples need a class-conditional generator")
+    if per_class < 2:
+        raise InputError(f"--per-class must be at least 2 (a diversity needs pairs) or 0 to skip it; got {per_class}")
+    gen = torch.Generator(device=device).manual_seed(seed + PER_CLASS_SEED_OFFSET)
+    classes = torch.arange(c_dim, device=device).repeat_interleave(per_class)
+    out = []
+    for i in range(0, len(classes), batch):
+        cls = classes[i:i + batch]
+        z = torch.randn([len(cls), G.z_dim], generator=gen, device=device)
+        centre = ({"truncation_centre": centres(cls.tolist())} if centres is not None and truncation != 1 else {})
+        img = G(z, torch.nn.functional.one_hot(cls, c_dim).float(), truncation_psi=truncation, noise_mode="const",
+                **centre)
+        out.append(features(quantize(img), classifier, batch=batch))
+    return np.concatenate(out), classes.cpu().numpy()
+
+
 def reference_floor(real: np.ndarray, k: int, seed: int, device) -> dict:
     perm = np.random.default_rng(seed).permutation(len(real))
     a, b = real[perm[: len(real) // 2]], real[perm[len(real) // 2:]]
@@ -158,13 +188,18 @@ def plot(result: dict, path: Path) -> str:
                 ax.plot(kimg, [r["agreement"][k] for r in rows], marker="o", ms=3, c=colour, label=what)
                 if real.get(k) is not None:
                     ax.axhline(real[k], ls="--", c=colour, lw=1, alpha=0.7)
+            if all(r.get("within_class") for r in rows):
+                # 1.0 is the data's own spread inside each class; a fall late in a run is class-wise collapse
+                ax.plot(kimg, [r["within_class"]["mean"] for r in rows], marker="s", ms=3, c="tab:purple",
+                        label="within-class diversity")
             ax.plot([], [], ls="--", c="gray", lw=1, label="the data set's own images")
             ax.legend(fontsize=8)
         ax.set_xlabel("kimg")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if key != "fd":
-            ax.set_ylim(0, 1.02)
+            top = max([1.02] + [r["within_class"]["mean"] + 0.05 for r in rows if r.get("within_class")])
+            ax.set_ylim(0, top if key not in ("precision", "recall") else 1.02)
     axes[0].legend(fontsize=8)
     centre = result.get("truncation_centre") if result["truncation"] != 1 else None
     centre = f" ({centre} centre)" if centre else ""
@@ -230,6 +265,8 @@ def run(args) -> dict:
     device = pick_device(None if args.device == "auto" else args.device)
     if args.n < 2 or args.batch < 1:
         raise InputError(f"--n must be at least 2 and --batch at least 1; got {args.n} and {args.batch}")
+    if args.per_class == 1 or args.per_class < 0:
+        raise InputError(f"--per-class must be 0 (skip) or at least 2 (a diversity needs pairs); got {args.per_class}")
     paths = find_snapshots(args.snapshots or []) + [Path(p) for p in (args.generator or [])]
     if not paths:
         raise InputError("nothing to score: give --snapshots DIR_OR_GLOB or --generator FILE")
@@ -283,12 +320,22 @@ def run(args) -> dict:
             row["agreement"] = None
             print(f"note: {path.name}'s class names are not the classifier's classes or groups, so there is no "
                   "class agreement", file=sys.stderr)
+        if labels is not None and args.per_class:
+            # inside each class: as varied as the data's own images of it? (class-wise mode collapse)
+            pf, pcls = per_class_features(loaded.G, classifier, args.per_class, args.batch, args.truncation, args.seed,
+                                          device, centres=loaded.class_centres() if centre == "class" else None)
+            row["within_class"] = {"per_class_samples": args.per_class,
+                                   **within_class_diversity(pf, pcls, real, labels,
+                                                            names if len(names) == loaded.G.c_dim else None)}
         row["seconds"] = round(time.time() - t, 2)
         result["snapshots"].append(row)
         del loaded
         a = row.get("agreement") or {}
         agree = (f"  agreement {a['class_top1']:.3f} (balanced {a['balanced_top1']:.3f})" if "class_top1" in a
                  else f"  group agreement {a['group_top1']:.3f}" if a else "")
+        wc = row.get("within_class")
+        if wc:
+            agree += f"  within-class diversity {wc['mean']:.3f} ({wc['below_half']} of {wc['classes']} classes < 0.5)"
         print(f"{path.name}: kimg {kimg if kimg is not None else '?'}  FD {row['fd']:.3f}  precision "
               f"{row['precision']:.3f}  recall {row['recall']:.3f}{agree}  ({row['seconds']:.1f} s)", file=sys.stderr)
         if args.out:
@@ -330,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("class", "global"),
                     help="what --truncation < 1 pulls towards for a class-conditional snapshot: each class's own mean "
                          "w (default) or the model's mean w over all classes (w_avg)")
+    ap.add_argument("--per-class", type=int, default=16,
+                    help="for a class-conditional snapshot, this many samples of every class (their own latents) for "
+                         "the within-class diversity; 0 skips it")
     ap.add_argument("--seed", type=int, default=0, help="latents (the same for every snapshot) and the floor's split")
     ap.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     ap.add_argument("--batch", type=int, default=500)

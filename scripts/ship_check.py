@@ -13,11 +13,17 @@ latents in one call. The rule (docs/gpu-runbook.md §1) has two numeric parts, b
   so one class's top-1 moves by 0.07 a sample; the standard error, from each class's count and top-1 as
   independent binomials, is about 0.006 at 10,000 samples);
 - the Fréchet distance is at most `--fd-slack` (default 10 %) above the shipped model's: the big classes,
-  which FD weighs most, do not pay too much for it.
+  which FD weighs most, do not pay too much for it;
+- the within-class diversity (emoji_metrics.py `--per-class`: each class's samples spread against the data's own
+  images of that class, averaged over classes) is not below the shipped model's by more than `--z` standard errors
+  of the per-class differences: no class-wise mode collapse. Added after the 2026-12-07 from-scratch candidate
+  passed the first part and missed the second by 0.6 % while drawing one picture per class in many classes
+  (docs/training.md, "The 2026-12-07 from-scratch sitting"); FD and the agreement cannot see that. A file
+  scored without `--per-class` leaves it unmeasured, and an unmeasured check does not ship.
 
-The third part, that the class sheet (scripts/class_sheet.py) reads better, is a person's call: the script
-says so and leaves it to them. Exit status: 0 when both numeric parts hold, 1 when one fails, 2 when the
-file cannot be judged (not two models, no agreement, no shipped model in it).
+The last part, that the class sheet (scripts/class_sheet.py) reads better, is a person's call: the script
+says so and leaves it to them. Exit status: 0 when the numeric parts hold, 1 when one fails or is unmeasured,
+2 when the file cannot be judged (not two models, no agreement, no shipped model in it).
 """
 from __future__ import annotations
 
@@ -59,6 +65,29 @@ def balanced_gain_se(new_classes: list[dict], old_classes: list[dict]) -> float:
     return var ** 0.5 / len(new_classes)
 
 
+def diversity_check(new: dict, old: dict, z: float) -> dict:
+    """The within-class diversity part: the candidate's mean ratio may sit below the shipped model's by at most z
+    standard errors of the mean of the per-class differences (the same classes, paired by name)."""
+    a, b = new.get("within_class"), old.get("within_class")
+    if not a or not b:
+        missing = ", ".join(str(s.get("file")) for s, w in ((new, a), (old, b)) if not w)
+        return {"ok": False, "measured": False,
+                "why": f"no within-class diversity for {missing}: score both with scripts/emoji_metrics.py "
+                       "--per-class 16 (the default since 2026-12-07)"}
+    pa = {r["name"]: r["ratio"] for r in a["per_class"]}
+    pb = {r["name"]: r["ratio"] for r in b["per_class"]}
+    common = sorted(set(pa) & set(pb))
+    if len(common) < 2:
+        raise VerdictError("the two models share fewer than 2 classes with a within-class diversity: score them in "
+                           "one emoji_metrics.py call")
+    d = [pa[c] - pb[c] for c in common]
+    mean_d = sum(d) / len(d)
+    se = (sum((x - mean_d) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+    return {"ok": mean_d >= -z * se, "measured": True, "candidate": a["mean"], "shipped": b["mean"],
+            "change": mean_d, "se": se, "z": z, "classes": len(common),
+            "below_half": {"candidate": a["below_half"], "shipped": b["below_half"]}}
+
+
 def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.10, z: float = 2.0) -> dict:
     """The ship rule on one emoji_metrics.py result holding the candidate and the shipped model."""
     if not 0 <= fd_slack < 1:
@@ -93,6 +122,7 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
         "per_class_mean_up": {"ok": gain > max(z * se, 0.0), "candidate": bal_new, "shipped": bal_old,
                               "gain": gain, "se": se, "z": z},
         "fd_within_slack": {"ok": fd_new <= fd_limit, "candidate": fd_new, "shipped": fd_old, "limit": fd_limit},
+        "within_class_diversity_kept": diversity_check(new, old, z),
     }
     return {
         "truncation": metrics.get("truncation"),
@@ -118,12 +148,22 @@ def _mark(ok: bool) -> str:
 
 def report(v: dict) -> str:
     up, fd = v["checks"]["per_class_mean_up"], v["checks"]["fd_within_slack"]
+    wc = v["checks"]["within_class_diversity_kept"]
+    if wc["measured"]:
+        wc_line = (f"  within-class diversity {wc['candidate']:.3f} vs {wc['shipped']:.3f} (change {wc['change']:+.3f} "
+                   f"over {wc['classes']} classes, standard error {wc['se']:.3f}; classes below half the data's: "
+                   f"{wc['below_half']['candidate']} vs {wc['below_half']['shipped']})  kept within {wc['z']:g} SE: "
+                   f"{_mark(wc['ok'])}")
+    else:
+        wc_line = f"  within-class diversity: not measured ({wc['why']}): NO"
+
     lines = [
         f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
         f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
         f"  per-class mean agreement {up['candidate']:.3f} vs {up['shipped']:.3f} (gain {up['gain']:+.3f}, "
         f"standard error {up['se']:.3f})  above by > {up['z']:g} SE: {_mark(up['ok'])}",
         f"  FD {fd['candidate']:.3f} vs {fd['shipped']:.3f} (limit {fd['limit']:.3f})  within: {_mark(fd['ok'])}",
+        wc_line,
         "  " + ", ".join(f"{k} {d['candidate']:.3f} vs {d['shipped']:.3f}" for k, d in v["also_shown"].items()
                          if isinstance(d["candidate"], (int, float)) and isinstance(d["shipped"], (int, float))),
         ("SHIP (numbers): " + v["still_to_judge"]) if v["ship"] else "DO NOT SHIP: the shipped model stays",
@@ -137,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shipped", default=DEFAULT_SHIPPED, help="the shipped model's path as the JSON names it")
     ap.add_argument("--fd-slack", type=float, default=0.10, help="how much worse FD may be, as a fraction")
     ap.add_argument("--z", type=float, default=2.0,
-                    help="how many standard errors the per-class mean must gain by (0: any gain)")
+                    help="how many standard errors the per-class mean must gain by (0: any gain), and the "
+                         "within-class diversity may fall by")
     ap.add_argument("--json", type=Path, default=None, help="also write the verdict here")
     a = ap.parse_args(argv)
     try:

@@ -405,3 +405,40 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
     why = emoji_metrics.class_plot(doc, tmp_path / "none.png")
     assert "class agreement" in why or "matplotlib is not installed" in why
     assert not (tmp_path / "none.png").exists()
+
+
+def test_snapshot_script_measures_within_class_diversity(tmp_path, small_data, subset):
+    """--per-class N: N samples of every class on their own latents, each class's spread against the data's own
+    images of it; the same model scored twice gives the same figure, and 0 skips it."""
+    from models import stylegan2
+    from models.stylegan import save_generator
+    from training.dataset import load_labels
+
+    groups, names = load_labels(DEFAULT_LABELS, "group", 3916)
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps({"group": groups[subset[:300]].tolist(), "groups": names}))
+    torch.manual_seed(2)
+    G = stylegan2.Generator(z_dim=8, c_dim=len(names), w_dim=8, img_resolution=16, img_channels=3,
+                            mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+    save_generator(G, tmp_path / "cond" / "G_ema-000040kimg", "stylegan2",
+                   metadata={"kimg": 40, "classes": {"key": "group", "names": names}})
+    base = ["--snapshots", str(tmp_path / "cond"), "--n", "20", "--batch", "16", "--device", "cpu",
+            "--data", str(small_data), "--labels", str(labels), "--no-progress"]
+    docs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.json"
+        assert emoji_metrics.main([*base, "--per-class", "3", "--out", str(out)]) == 0
+        docs.append(json.loads(out.read_text())["snapshots"][0]["within_class"])
+    wc = docs[0]
+    present = {int(g) for g in np.unique(groups[subset[:300]]) if (groups[subset[:300]] == g).sum() >= 2}
+    assert wc["per_class_samples"] == 3 and wc["classes"] == len(present)
+    assert {r["name"] for r in wc["per_class"]} == {names[g] for g in present}
+    assert all(r["n"] == 3 and r["n_real"] >= 2 and r["ratio"] >= 0 for r in wc["per_class"])
+    assert wc["mean"] == pytest.approx(np.mean([r["ratio"] for r in wc["per_class"]]))
+    assert 0 <= wc["below_half"] <= wc["classes"]
+    assert wc["mean"] == pytest.approx(docs[1]["mean"], rel=1e-9)      # same latents, same model, same machine
+    # 0 skips it; 1 cannot make a pair
+    out = tmp_path / "off.json"
+    assert emoji_metrics.main([*base, "--per-class", "0", "--out", str(out)]) == 0
+    assert "within_class" not in json.loads(out.read_text())["snapshots"][0]
+    assert emoji_metrics.main([*base, "--per-class", "1", "--out", str(out)]) == 2

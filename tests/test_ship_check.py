@@ -28,6 +28,21 @@ def _by_file(m):
     return {s["file"]: s for s in m["snapshots"]}
 
 
+def _with_diversity(m, candidate: float, shipped: float, spread: float = 0.05):
+    """Give both models a within-class diversity (scripts/emoji_metrics.py --per-class): per class, the given level
+    plus the same small class-to-class wobble for both, so that only the level differs between them."""
+    names = [r["name"] for r in m["snapshots"][0]["agreement"]["per_class"]]
+    wobble = [spread * ((7 * i) % 5 - 2) / 2 for i in range(len(names))]
+    for s in m["snapshots"]:
+        level = shipped if s["file"] == SHIPPED else candidate
+        per = [{"class": i, "name": n, "n": 16, "n_real": 10, "ratio": level + w}
+               for i, (n, w) in enumerate(zip(names, wobble))]
+        ratios = [r["ratio"] for r in per]
+        s["within_class"] = {"per_class_samples": 16, "mean": sum(ratios) / len(ratios), "median": level,
+                             "below_half": sum(r < 0.5 for r in ratios), "classes": len(per), "per_class": per}
+    return m
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "scripts/ship_check.py"), *map(str, args)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -55,7 +70,12 @@ def test_the_cli_says_do_not_ship_and_writes_the_verdict(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "DO NOT SHIP" in r.stdout and "per-class mean agreement" in r.stdout
     v = json.loads(out.read_text())
-    assert v["ship"] is False and set(v["checks"]) == {"per_class_mean_up", "fd_within_slack"}
+    assert v["ship"] is False
+    assert set(v["checks"]) == {"per_class_mean_up", "fd_within_slack", "within_class_diversity_kept"}
+    # scored before --per-class existed: the diversity check is unmeasured, which never ships
+    assert v["checks"]["within_class_diversity_kept"] == {"ok": False, "measured": False,
+                                                          "why": v["checks"]["within_class_diversity_kept"]["why"]}
+    assert "not measured" in r.stdout and "--per-class 16" in r.stdout
 
 
 def test_roles_swapped_the_better_model_ships(tmp_path):
@@ -66,9 +86,12 @@ def test_roles_swapped_the_better_model_ships(tmp_path):
         s["file"] = "runs/x/emoji64.safetensors" if s["file"] == SHIPPED else SHIPPED
     p = tmp_path / "swapped.json"
     p.write_text(json.dumps(m))
+    assert _cli(p).returncode == 1          # its within-class diversity was never measured
+    p.write_text(json.dumps(_with_diversity(m, 0.9, 0.9)))
     r = _cli(p)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SHIP (numbers)" in r.stdout and "class sheet" in r.stdout
+    assert "within-class diversity 0.900 vs 0.900" in r.stdout
 
 
 def test_the_standard_error_follows_the_per_class_counts():
@@ -95,6 +118,7 @@ def test_the_gain_must_clear_the_noise_and_fd_the_slack():
     snaps = _by_file(m)
     old = snaps[SHIPPED]
     new = next(s for f, s in snaps.items() if f != SHIPPED)
+    _with_diversity(m, 0.9, 0.9)
     se = ship_check.verdict(m)["checks"]["per_class_mean_up"]["se"]
     new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] + 3 * se
     new["fd"] = old["fd"] * 1.05
@@ -143,3 +167,34 @@ def test_files_it_cannot_judge_get_a_clear_error(tmp_path):
         if s["file"] == SHIPPED:
             s["file"] = "/root/repo/" + SHIPPED
     assert ship_check.verdict(moved)["shipped"]["kimg"] == _by_file(m)[SHIPPED]["kimg"]
+
+
+def test_within_class_diversity_must_not_fall_beyond_the_noise():
+    m = _with_diversity(_load(), 0.9, 0.9)
+    snaps = _by_file(m)
+    old = snaps[SHIPPED]
+    new = next(s for f, s in snaps.items() if f != SHIPPED)
+    se = ship_check.verdict(m)["checks"]["per_class_mean_up"]["se"]
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] + 3 * se
+    new["fd"] = old["fd"]
+    assert ship_check.verdict(copy.deepcopy(m))["ship"] is True
+    # the same class-to-class wobble in both: the paired differences have no spread, so any fall is beyond it
+    worse = _with_diversity(copy.deepcopy(m), 0.88, 0.9)
+    wc = ship_check.verdict(worse)["checks"]["within_class_diversity_kept"]
+    assert wc["measured"] and wc["change"] == pytest.approx(-0.02) and wc["se"] == pytest.approx(0, abs=1e-12)
+    assert wc["ok"] is False and ship_check.verdict(worse)["ship"] is False
+    # a rise is always kept; with noise in the differences a small fall is within it
+    assert ship_check.verdict(_with_diversity(copy.deepcopy(m), 0.95, 0.9))["ship"] is True
+    noisy = _with_diversity(copy.deepcopy(m), 0.9, 0.9)
+    cand = next(s for s in noisy["snapshots"] if s["file"] != SHIPPED)["within_class"]["per_class"]
+    for i, r in enumerate(cand):
+        r["ratio"] += 0.2 * (1 if i % 2 else -1) - 0.005
+    wc = ship_check.verdict(noisy)["checks"]["within_class_diversity_kept"]
+    assert wc["change"] == pytest.approx(-0.005 + (0.2 if len(cand) % 2 else 0) / len(cand))
+    assert wc["se"] > 0.015 and wc["ok"] is True
+    # classes scored apart cannot be paired
+    apart = copy.deepcopy(m)
+    for r in next(s for s in apart["snapshots"] if s["file"] != SHIPPED)["within_class"]["per_class"]:
+        r["name"] = "other/" + r["name"]
+    with pytest.raises(ship_check.VerdictError, match="fewer than 2 classes"):
+        ship_check.verdict(apart)

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mirror", action="store_true", default=None, help="add x-flipped copies of the data")
     a("--seed", type=int, default=None)
     a("--monitor-kimg", type=float, default=None, help="mode-collapse monitor every N kimg (0 = off)")
+    a("--monitor-per-class", type=int, default=None,
+      help="class-conditional runs: fixed samples per class for the monitor's within-class diversity (default 4; "
+           "0 = off)")
     a("--auto-countermeasures", action="store_true", default=None,
       help="on monitor warnings apply dropout / mbstd / higher D:G / more augmentation automatically")
     a("--d-dropout", type=float, default=None, help="dropout before D's last layer from the start")
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimizer", "batch", "lr_g", "lr_d",
                  "d_steps", "r1_gamma", "gp_lambda", "pl_weight", "style_mixing", "ema_kimg", "aug", "aug_pipe",
-                 "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "auto_countermeasures", "d_dropout",
+                 "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "monitor_per_class", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
                  "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d", "class_balance")

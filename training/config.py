@@ -95,6 +95,7 @@ class TrainConfig:
     # -- mode-collapse monitor --------------------------------------------------------------------
     monitor_kimg: float = 20.0              # evaluate every N kimg (0 = off)
     monitor_samples: int = 64
+    monitor_per_class: int = 4              # conditional runs: samples per class for the class diversity (0 = off)
     auto_countermeasures: bool = False      # apply dropout / mbstd / D:G / augmentation on warnings
     d_dropout: float = 0.0                  # dropout before D's last layer (0.3 when a counter-measure)
 
@@ -291,6 +292,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.compile_scope in COMPILE_SCOPES,
          f"--compile-scope must be one of {', '.join(COMPILE_SCOPES)}; got {cfg.compile_scope!r}")
     need(cfg.freeze_g_kimg >= 0, f"--freeze-g-kimg must be 0 or more; got {cfg.freeze_g_kimg}")
+    need(cfg.monitor_per_class == 0 or cfg.monitor_per_class >= 2,
+         f"--monitor-per-class must be 0 (off) or at least 2 (a class's diversity needs pairs); got {cfg.monitor_per_class}")
     need(not cfg.init_d or cfg.init_g,
          "--init-d continues a D against the generator it was trained with: give that generator with --init-g")
     if cfg.cond and not cfg.labels:

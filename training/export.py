@@ -62,6 +62,7 @@ def _monitor_summary(doc: dict) -> dict[str, Any]:
         return {}
     last = hist[-1]
     return {"kimg": last["kimg"], "diversity_vs_data": last["diversity"], "duplicate_rate": last["duplicate_rate"],
+            **({"class_diversity_vs_data": last["class_diversity"]} if last.get("class_diversity") is not None else {}),
             "d_acc": last["d_acc"], "warnings_total": sum(len(h["warnings"]) for h in hist),
             "countermeasures": (doc.get("monitor") or {}).get("applied", [])}
 
@@ -117,8 +118,9 @@ def snapshot_doc(run: Path, snap_meta: dict) -> dict:
     if train and train[-1].get("aug_p") is not None:
         out["aug_p"] = train[-1]["aug_p"]
     out["pieces"] = 1 + sum(1 for r in recs if r.get("kind") == "end" and r.get("kimg", 0.0) < kimg - 1e-6)
-    hist = [{k: r.get(k) for k in ("kimg", "diversity", "pairwise_distance", "duplicate_rate", "d_acc",
-                                   "d_acc_real", "d_acc_fake")} | {"warnings": r.get("warnings") or []}
+    hist = [{k: r.get(k) for k in ("kimg", "diversity", "pairwise_distance", "duplicate_rate", "class_diversity",
+                                   "classes_below_half", "d_acc", "d_acc_real", "d_acc_fake")}
+            | {"warnings": r.get("warnings") or []}
             for r in recs if r.get("kind") == "monitor" and r.get("kimg", 0.0) <= kimg + 1e-6]
     if hist:
         out["monitor"] = dict(doc.get("monitor") or {}, history=hist)
@@ -310,6 +312,9 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
             f"D accuracy {mon['d_acc']:.1%}." if mon.get("d_acc") is not None else
             f"- kimg {mon['kimg']}: diversity {mon['diversity_vs_data']:.2f}, near-duplicate rate "
             f"{mon['duplicate_rate']:.1%}.",
+            *([f"- Within-class diversity {mon['class_diversity_vs_data']:.2f} of the data's (fixed latents drawn in "
+               f"every class, against each class's own images)."] if mon.get("class_diversity_vs_data") is not None
+              else []),
             f"- Warnings over the whole run: {mon['warnings_total']}; counter-measures applied: "
             f"{', '.join(a['detail'] for a in mon['countermeasures']) or 'none'}.",
         ]

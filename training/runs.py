@@ -760,6 +760,8 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
     hist = (doc.get("monitor") or {}).get("history") or []
     last = hist[-1] if hist else {}
     monitor = {"kimg": last["kimg"], "diversity_vs_data": last["diversity"], "duplicate_rate": last["duplicate_rate"],
+               **({"class_diversity_vs_data": last["class_diversity"]} if last.get("class_diversity") is not None
+                  else {}),
                "d_acc": last.get("d_acc"), "warnings_total": sum(len(h.get("warnings", [])) for h in hist),
                "countermeasures": (doc.get("monitor") or {}).get("applied", [])} if last else {}
     count = (doc.get("dataset") or {}).get("count", "?")

@@ -70,6 +70,7 @@ LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
 SNAPSHOT_DIR = "snapshots"
 GRID_SEED = 0xE0E0
+MONITOR_CLASS_REFERENCE = 16    # real images per class for the monitor's class diversity
 
 
 def build_networks(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -262,6 +263,13 @@ class Trainer:
         self.c_eye = torch.eye(cfg.c_dim, device=self.device)
         ref_idx = np.linspace(0, len(images) - 1, num=min(cfg.monitor_samples, len(images))).round().astype(int)
         self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
+        # class-conditional: up to 16 real images of every class, the yardstick of each class's own spread
+        self._monitor_class_real = None
+        if labels is not None and cfg.monitor_per_class and cfg.monitor_kimg > 0:
+            lab = np.asarray(labels)
+            idx = np.concatenate([np.flatnonzero(lab == c)[:MONITOR_CLASS_REFERENCE] for c in range(cfg.c_dim)])
+            self._monitor_class_real = (torch.from_numpy(np.ascontiguousarray(images[idx])).permute(0, 3, 1, 2),
+                                        torch.from_numpy(lab[idx].astype(np.int64)))
 
         # -- precision ----------------------------------------------------------------------------
         # TF32 and cuDNN autotuning are switched on only around the trainer's own work (_scope).
@@ -381,6 +389,10 @@ class Trainer:
                                   "changed": {k: {"from": a, "to": b} for k, (a, b) in self.retuned.items()}})
         if self.monitor is not None and self.monitor.state.real_distance <= 0:
             self.monitor.set_reference(to_float(self._monitor_real.to(self.device)))
+        if (self.monitor is not None and self._monitor_class_real is not None
+                and not self.monitor.state.class_real_distance):
+            imgs, cls = self._monitor_class_real
+            self.monitor.set_class_reference(to_float(imgs.to(self.device)), cls)
 
     # ------------------------------------------------------------------------------------------------
     # construction helpers
@@ -743,6 +755,21 @@ class Trainer:
                                       truncation_psi=psi, noise_mode="const").float())
         return torch.cat(out)
 
+    def render_classes(self, per_class: int, seed: int = GRID_SEED + 2, batch: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """G_ema images of `per_class` fixed latents in every class (the same latents for each class), and their
+        classes: what the monitor's class diversity measures."""
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(per_class, self.G_ema.z_dim, generator=g)
+        classes = torch.arange(self.cfg.c_dim).repeat_interleave(per_class)
+        zs = z.repeat(self.cfg.c_dim, 1)
+        out = []
+        with self._scope():
+            for i in range(0, len(classes), batch):
+                c = self.c_eye[classes[i:i + batch].to(self.device)]
+                out.append(self.G_ema(zs[i:i + batch].to(self.device), c, truncation_psi=1.0,
+                                      noise_mode="const").float())
+        return torch.cat(out), classes
+
     def _run_monitor(self) -> dict:
         acc = self.acc_since_monitor.clone()
         if self.dist.enabled:
@@ -757,8 +784,12 @@ class Trainer:
             # Reading p here costs nothing extra: acc.tolist() above already waited for the GPU.
             aug_p = float(self.aug.p) if self.aug is not None else None
             aug_ops = leak_prone_ops(self.aug.pipe) if self.aug is not None else []
+            by_class = {}
+            if self.monitor.state.class_real_distance:
+                cs, cc = self.render_classes(self.cfg.monitor_per_class)
+                by_class = {"class_samples": cs, "sample_classes": cc}
             record = self.monitor.evaluate(samples, kimg, a_real / n if n else None, a_fake / n if n else None,
-                                           aug_p=aug_p, leak_ops=aug_ops)
+                                           aug_p=aug_p, leak_ops=aug_ops, **by_class)
             if self.cfg.auto_countermeasures:
                 action = self.monitor.choose_countermeasure(record)
         action = dist_utils.broadcast_object(action, self.dist)

@@ -19,7 +19,8 @@ MAX_POINTS = 400
 # every plot's series and their colours (fixed: see _frame)
 LOSS_COLORS = {"G": "#7c3aed", "D": "#0ea5e9"}
 REG_COLORS = {"R1": "#f59e0b", "GP": "#ef4444", "path length": "#10b981"}
-MONITOR_COLORS = {"diversity": "#7c3aed", "duplicate rate": "#ef4444", "D accuracy": "#0ea5e9", "aug p": "#94a3b8"}
+MONITOR_COLORS = {"diversity": "#7c3aed", "class diversity": "#db2777", "duplicate rate": "#ef4444",
+                  "D accuracy": "#0ea5e9", "aug p": "#94a3b8"}
 BADGE = {RUNNING: "running", STOPPING: "queued", FINISHED: "done", STOPPED: "stopped", FAILED: "failed",
          INTERRUPTED: "stopped", NEW: "stopped"}       # reuse the side panel's badge colours
 
@@ -125,8 +126,10 @@ def _d_acc(r: dict):
 
 
 def monitor_frame(records: list[dict]) -> pd.DataFrame:
-    """Diversity and duplicate rate (monitor records), D accuracy and augmentation p (every log point)."""
-    mon = _frame(records, "monitor", {"diversity": "diversity", "duplicate rate": "duplicate_rate"})
+    """Diversity, within-class diversity (conditional runs) and duplicate rate (monitor records), D accuracy and
+    augmentation p (every log point)."""
+    mon = _frame(records, "monitor", {"diversity": "diversity", "class diversity": "class_diversity",
+                                      "duplicate rate": "duplicate_rate"})
     train = _frame(records, "train", {"D accuracy": _d_acc, "aug p": "aug_p"})
     return pd.concat([mon, train], ignore_index=True)
 

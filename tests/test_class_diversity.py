@@ -1,0 +1,144 @@
+"""Within-class diversity: the check that catches class-wise mode collapse, which FD, the class agreement and the
+monitor's overall diversity cannot see (a model drawing one picture per class still spreads over every class).
+
+Three places measure it: evaluation.emoji_metric.within_class_diversity (the emoji metric's features, balanced
+per-class samples from scripts/emoji_metrics.py --per-class), the training monitor (a random-projection space,
+fixed latents in every class), and scripts/ship_check.py's third numeric check."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from core.errors import InputError
+from evaluation.emoji_metric import mean_pairwise_distance, within_class_diversity
+from tests.test_training_runs import write_tiny_dataset
+from training import cli
+from training.monitor import CollapseMonitor, MonitorSettings
+
+
+def _clusters(n_per, classes, dim=16, spread=1.0, seed=0):
+    """Feature rows around a class centre each: `n_per` per class, Gaussian spread `spread`."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0, 10, (classes, dim))
+    x = np.concatenate([centres[c] + spread * rng.normal(0, 1, (n_per, dim)) for c in range(classes)])
+    return x, np.repeat(np.arange(classes), n_per)
+
+
+# -- the measure ----------------------------------------------------------------------------------------
+
+def test_mean_pairwise_distance_by_hand():
+    x = np.array([[0.0, 0.0], [3.0, 4.0], [0.0, 8.0]])
+    # the three pairs are 5, 8 and 5 apart: (5 + 8 + 5) / 3
+    assert mean_pairwise_distance(x) == pytest.approx(6.0)
+    with pytest.raises(InputError, match="at least 2"):
+        mean_pairwise_distance(x[:1])
+
+
+def test_as_varied_as_the_data_is_about_one_and_a_collapsed_class_is_near_zero():
+    real, rc = _clusters(40, 4, seed=1)
+    fake, fc = _clusters(40, 4, seed=1)            # the data itself, drawn again: exactly its spread
+    same = within_class_diversity(fake, fc, real, rc, names=["a", "b", "c", "d"])
+    assert same["classes"] == 4 and same["below_half"] == 0
+    assert same["mean"] == pytest.approx(1.0, abs=1e-6)
+    assert [r["name"] for r in same["per_class"]] == ["a", "b", "c", "d"]
+    other, oc = _clusters(40, 4, seed=1)
+    fresh = np.concatenate([real[rc == c].mean(0) + np.random.default_rng(c + 5).normal(0, 1, (40, 16))
+                            for c in range(4)])
+    assert 0.8 < within_class_diversity(fresh, oc, real, rc)["mean"] < 1.2
+    # class 2 collapses to one picture (plus a trace of noise): its ratio falls to ~0, the others stay
+    collapsed = fresh.copy()
+    collapsed[oc == 2] = collapsed[oc == 2][0] + 1e-3 * np.random.default_rng(3).normal(0, 1, (40, 16))
+    d = within_class_diversity(collapsed, oc, real, rc)
+    by = {r["class"]: r["ratio"] for r in d["per_class"]}
+    assert by[2] < 0.01 and min(by[c] for c in (0, 1, 3)) > 0.8
+    assert d["below_half"] == 1 and d["mean"] < 0.8
+    # the overall spread cannot see it: every class is still drawn, so all samples together look like the data
+    overall = mean_pairwise_distance(collapsed) / mean_pairwise_distance(real)
+    assert overall > 0.9
+
+
+def test_classes_without_pairs_are_left_out_and_nothing_to_measure_is_an_error():
+    real, rc = _clusters(10, 3, seed=2)
+    fake, fc = _clusters(10, 3, seed=3)
+    real_one = real[(rc != 1) | (np.arange(len(rc)) == np.flatnonzero(rc == 1)[0])]
+    rc_one = rc[(rc != 1) | (np.arange(len(rc)) == np.flatnonzero(rc == 1)[0])]   # class 1: a single image
+    d = within_class_diversity(fake, fc, real_one, rc_one)
+    assert [r["class"] for r in d["per_class"]] == [0, 2] and d["classes"] == 2
+    with pytest.raises(InputError, match="draw more samples"):
+        within_class_diversity(fake[::10], fc[::10], real, rc)       # one sample per class
+    with pytest.raises(InputError, match="one class per feature row"):
+        within_class_diversity(fake, fc[:-1], real, rc)
+
+
+# -- the training monitor --------------------------------------------------------------------------------
+
+def _imgs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, 16, 16, generator=g) * 2 - 1
+
+
+def test_the_monitor_measures_each_class_and_warns_on_class_wise_collapse():
+    real = _imgs(30, 1)
+    real_cls = torch.arange(3).repeat_interleave(10)
+    mon = CollapseMonitor(MonitorSettings())
+    mon.set_reference(real)
+    with pytest.raises(InputError, match="set_class_reference"):
+        mon.class_diversity(real, real_cls)
+    mon.set_class_reference(real, real_cls)
+    assert set(mon.state.class_real_distance) == {0, 1, 2}
+
+    samples = _imgs(12, 2)
+    cls = torch.arange(3).repeat_interleave(4)
+    healthy = mon.evaluate(samples, 1, 0.7, 0.6, class_samples=samples, sample_classes=cls)
+    assert 0.7 < healthy["class_diversity"] < 1.3 and healthy["classes_below_half"] == 0
+    assert healthy["class_diversity_classes"] == 3 and healthy["warnings"] == []
+
+    # every class draws one picture for all its latents, though the classes differ: the overall diversity
+    # stays near the data's, only the class diversity sees it
+    one = torch.cat([_imgs(1, 10 + c).repeat(4, 1, 1, 1) + 1e-3 * _imgs(4, 20 + c) for c in range(3)])
+    mixed = torch.cat([one, _imgs(20, 4)])
+    collapsed = mon.evaluate(mixed, 2, 0.7, 0.6, class_samples=one, sample_classes=cls)
+    assert collapsed["class_diversity"] < 0.05 and collapsed["classes_below_half"] == 3
+    assert collapsed["diversity"] > 0.7
+    assert any("within-class diversity" in w for w in collapsed["warnings"])
+    assert collapsed["class_diversity_lowest"]["class"] in (0, 1, 2)
+    # an unconditional evaluation records no class keys
+    assert "class_diversity" not in mon.evaluate(samples, 3, None, None)
+
+    # the reference survives a checkpoint (JSON keys are strings)
+    again = CollapseMonitor()
+    again.load_state_dict(json.loads(json.dumps(mon.state_dict())))
+    assert again.state.class_real_distance == pytest.approx(mon.state.class_real_distance)
+    with pytest.raises(InputError, match="2 reference images"):
+        CollapseMonitor().set_class_reference(real[:3], torch.arange(3))
+
+
+def test_a_conditional_run_logs_its_class_diversity(tmp_path):
+    data = write_tiny_dataset(tmp_path, 24, 16)
+    labels = np.array([0] * 12 + [1] * 8 + [2] * 4)
+    lab = tmp_path / "labels.json"
+    lab.write_text(json.dumps({"group": labels.tolist(), "groups": ["many", "some", "few"]}))
+    run = tmp_path / "run"
+    assert cli.main(["--config", "tiny", "--data", str(data), "--out", str(run), "--device", "cpu", "--no-progress",
+                     "--cond", "group", "--labels", str(lab), "--monitor-kimg", "0.008", "--monitor-per-class", "3",
+                     "--kimg", "0.016"]) == 0
+    mons = [json.loads(r) for r in (run / "log.jsonl").read_text().splitlines() if '"monitor"' in r]
+    mons = [m for m in mons if m.get("kind") == "monitor"]
+    assert mons, "the monitor ran"
+    for m in mons:
+        assert m["class_diversity_classes"] == 3 and m["class_diversity"] > 0
+        assert 0 <= m["classes_below_half"] <= 3
+    state = json.loads((run / "state.json").read_text())
+    assert state["config"]["monitor_per_class"] == 3
+    assert set(state["monitor"]["class_real_distance"]) == {"0", "1", "2"}
+
+
+def test_the_cli_refuses_a_single_sample_per_class(tmp_path, capsys):
+    data = write_tiny_dataset(tmp_path, 8, 16)
+    rc = cli.main(["--config", "tiny", "--data", str(data), "--out", str(tmp_path / "o"), "--device", "cpu",
+                   "--no-progress", "--monitor-per-class", "1"])
+    assert rc != 0
+    assert "--monitor-per-class must be 0 (off) or at least 2" in capsys.readouterr().err
