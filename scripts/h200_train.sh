@@ -15,7 +15,8 @@
 #   tests        the trainer's GPU tests (log under $OUT), run beside the training
 #   finish       wait for the run to end (STOP_NOW=1: SIGTERM it first), export G_ema (fp16) + grid + model card, the emoji metric
 #                over every snapshot, a samples-vs-kimg strip, D's carried state (emoji64-D.safetensors.xz, for
-#                --init-d), the ship rule's verdict (scripts/ship_check.py); small files packed in $OUT/small.tgz
+#                --init-d), the ship rule's verdicts (scripts/ship_check.py, rules better and tie); small files packed
+#                in $OUT/small.tgz
 # Carry [".whl"] (the wheels are not needed by training, but h200_env.sh installs what is there).
 source "$(dirname "$0")/h200_env.sh"
 RUN=${RUN:-runs/emoji64}
@@ -118,6 +119,8 @@ EOF
       done
       # the runbook's ship rule on the psi 0.7 comparison (the class sheet is still a person's call)
       python3 scripts/ship_check.py "$OUT/m/metrics-vs-shipped-psi0.7.json" --json "$OUT/m/ship-check.json"
+      # ... and the tie rule: as good as the shipped model, with its own D beside it (docs/gpu-runbook.md §1)
+      python3 scripts/ship_check.py "$OUT/m/metrics-vs-shipped-psi0.7.json" --rule tie --json "$OUT/m/ship-check-tie.json"
       cp "$RUN/log.jsonl" "$RUN/samples.png" "$RUN.log" "$RUN.choice" "$OUT/m/" 2>/dev/null
       cp "$RUN/state.json" "$OUT/m/" 2>/dev/null
       cp "$RUN"/snapshots/*.json "$OUT/m/" 2>/dev/null

@@ -1,7 +1,7 @@
 """Should a freshly trained emoji model replace the shipped one? The runbook's ship rule, computed.
 
     python scripts/ship_check.py metrics-vs-shipped-psi0.7.json [--shipped assets/models/emoji64.safetensors]
-                                 [--fd-slack 0.10] [--z 2] [--json verdict.json]
+                                 [--rule better|tie] [--fd-slack 0.10] [--z 2] [--json verdict.json]
 
 The input is what `scripts/emoji_metrics.py --generator CANDIDATE SHIPPED --truncation 0.7` wrote (the file
 `scripts/h200_train.sh finish` brings back as `metrics-vs-shipped-psi0.7.json`): two models scored on the same
@@ -20,6 +20,13 @@ latents in one call. The rule (docs/gpu-runbook.md §1) has two numeric parts, b
   passed the first part and missed the second by 0.6 % while drawing one picture per class in many classes
   (docs/training.md, "The 2026-12-07 from-scratch sitting"); FD and the agreement cannot see that. A file
   scored without `--per-class` leaves it unmeasured, and an unmeasured check does not ship.
+
+`--rule tie` asks less of the agreement and more of FD: the per-class mean may not fall by more than `--z`
+standard errors (instead of having to rise by them), FD may be at most 5 % worse (`--fd-slack` overrides), and the
+within-class diversity is kept as above. It is for a candidate that comes with its own D
+(`emoji64-D.safetensors.xz` from `h200_train.sh finish`): a model as good as the shipped one that can be continued
+with the D it trained against is worth shipping, because the shipped one cannot (its D was never kept), and every
+continuation without the G's own D made the model worse (docs/training.md, "The 2026-12-07 class-balance sitting").
 
 The last part, that the class sheet (scripts/class_sheet.py) reads better, is a person's call: the script
 says so and leaves it to them. Exit status: 0 when the numeric parts hold, 1 when one fails or is unmeasured,
@@ -88,8 +95,17 @@ def diversity_check(new: dict, old: dict, z: float) -> dict:
             "below_half": {"candidate": a["below_half"], "shipped": b["below_half"]}}
 
 
-def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.10, z: float = 2.0) -> dict:
-    """The ship rule on one emoji_metrics.py result holding the candidate and the shipped model."""
+RULES = ("better", "tie")
+FD_SLACK = {"better": 0.10, "tie": 0.05}
+
+
+def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float | None = None, z: float = 2.0,
+            rule: str = "better") -> dict:
+    """The ship rule on one emoji_metrics.py result holding the candidate and the shipped model. rule "better": the
+    per-class mean must rise beyond the noise; "tie": it may not fall beyond it, and FD gets less slack."""
+    if rule not in RULES:
+        raise VerdictError(f"--rule must be one of {', '.join(RULES)}; got {rule!r}")
+    fd_slack = FD_SLACK[rule] if fd_slack is None else fd_slack
     if not 0 <= fd_slack < 1:
         raise VerdictError(f"--fd-slack is a fraction in [0, 1), e.g. 0.10 for 10 %; got {fd_slack}")
     if not 0 <= z <= 10:
@@ -121,10 +137,16 @@ def verdict(metrics: dict, shipped: str = DEFAULT_SHIPPED, fd_slack: float = 0.1
     checks = {
         "per_class_mean_up": {"ok": gain > max(z * se, 0.0), "candidate": bal_new, "shipped": bal_old,
                               "gain": gain, "se": se, "z": z},
+    } if rule == "better" else {
+        "per_class_mean_kept": {"ok": gain >= -z * se, "candidate": bal_new, "shipped": bal_old,
+                                "gain": gain, "se": se, "z": z},
+    }
+    checks |= {
         "fd_within_slack": {"ok": fd_new <= fd_limit, "candidate": fd_new, "shipped": fd_old, "limit": fd_limit},
         "within_class_diversity_kept": diversity_check(new, old, z),
     }
     return {
+        "rule": rule,
         "truncation": metrics.get("truncation"),
         "n": metrics.get("n"),
         "candidate": {"file": new.get("file"), "kimg": new.get("kimg")},
@@ -147,7 +169,9 @@ def _mark(ok: bool) -> str:
 
 
 def report(v: dict) -> str:
-    up, fd = v["checks"]["per_class_mean_up"], v["checks"]["fd_within_slack"]
+    tie = v.get("rule") == "tie"
+    up = v["checks"]["per_class_mean_kept" if tie else "per_class_mean_up"]
+    fd = v["checks"]["fd_within_slack"]
     wc = v["checks"]["within_class_diversity_kept"]
     if wc["measured"]:
         wc_line = (f"  within-class diversity {wc['candidate']:.3f} vs {wc['shipped']:.3f} (change {wc['change']:+.3f} "
@@ -158,10 +182,11 @@ def report(v: dict) -> str:
         wc_line = f"  within-class diversity: not measured ({wc['why']}): NO"
 
     lines = [
-        f"candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
+        f"rule {v.get('rule', 'better')}: candidate {v['candidate']['file']} ({v['candidate']['kimg']} kimg) against shipped "
         f"{v['shipped']['file']} ({v['shipped']['kimg']} kimg), truncation {v['truncation']}, n {v['n']}",
         f"  per-class mean agreement {up['candidate']:.3f} vs {up['shipped']:.3f} (gain {up['gain']:+.3f}, "
-        f"standard error {up['se']:.3f})  above by > {up['z']:g} SE: {_mark(up['ok'])}",
+        f"standard error {up['se']:.3f})  " + (f"not below by > {up['z']:g} SE" if tie else f"above by > {up['z']:g} SE")
+        + f": {_mark(up['ok'])}",
         f"  FD {fd['candidate']:.3f} vs {fd['shipped']:.3f} (limit {fd['limit']:.3f})  within: {_mark(fd['ok'])}",
         wc_line,
         "  " + ", ".join(f"{k} {d['candidate']:.3f} vs {d['shipped']:.3f}" for k, d in v["also_shown"].items()
@@ -175,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("metrics", type=Path, help="emoji_metrics.py JSON with the candidate and the shipped model")
     ap.add_argument("--shipped", default=DEFAULT_SHIPPED, help="the shipped model's path as the JSON names it")
-    ap.add_argument("--fd-slack", type=float, default=0.10, help="how much worse FD may be, as a fraction")
+    ap.add_argument("--rule", choices=RULES, default="better",
+                    help="better: the per-class mean must rise beyond the noise (default); tie: it may not fall beyond "
+                         "it and FD may be 5 %% worse, for a candidate that brings its own D")
+    ap.add_argument("--fd-slack", type=float, default=None,
+                    help="how much worse FD may be, as a fraction (default 0.10 for better, 0.05 for tie)")
     ap.add_argument("--z", type=float, default=2.0,
                     help="how many standard errors the per-class mean must gain by (0: any gain), and the "
                          "within-class diversity may fall by")
@@ -190,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {a.metrics} is not JSON ({e}); give the file emoji_metrics.py --out wrote", file=sys.stderr)
         return 2
     try:
-        v = verdict(metrics, a.shipped, a.fd_slack, a.z)
+        v = verdict(metrics, a.shipped, a.fd_slack, a.z, a.rule)
     except VerdictError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

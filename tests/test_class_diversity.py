@@ -142,3 +142,31 @@ def test_the_cli_refuses_a_single_sample_per_class(tmp_path, capsys):
                    "--no-progress", "--monitor-per-class", "1"])
     assert rc != 0
     assert "--monitor-per-class must be 0 (off) or at least 2" in capsys.readouterr().err
+
+
+def test_the_warning_fires_on_the_share_of_collapsed_classes_too():
+    """Most classes fine, the mean above half, but more than a fifth of the classes drawn as one picture each."""
+    C = 10
+    real = _imgs(10 * C, 7)
+    real_cls = torch.arange(C).repeat_interleave(10)
+    mon = CollapseMonitor(MonitorSettings())
+    mon.set_reference(real)
+    mon.set_class_reference(real, real_cls)
+    cls = torch.arange(C).repeat_interleave(4)
+    parts = []
+    for c in range(C):
+        if c < 3:      # classes 0-2: one picture each
+            parts.append(_imgs(1, 40 + c).repeat(4, 1, 1, 1) + 1e-3 * _imgs(4, 50 + c))
+        else:
+            parts.append(_imgs(4, 60 + c))
+    samples = torch.cat(parts)
+    r = mon.evaluate(_imgs(40, 99), 1, None, None, class_samples=samples, sample_classes=cls)
+    assert r["classes_below_half"] == 3 and r["class_diversity"] > 0.5
+    assert any("3 of 10 classes below half" in w for w in r["warnings"])
+    # two of ten (20 %) is not more than the share
+    mon2 = CollapseMonitor(MonitorSettings())
+    mon2.set_reference(real)
+    mon2.set_class_reference(real, real_cls)
+    two = torch.cat([parts[0], parts[1], _imgs(4, 62)] + parts[3:])
+    r2 = mon2.evaluate(_imgs(40, 99), 1, None, None, class_samples=two, sample_classes=cls)
+    assert r2["classes_below_half"] == 2 and r2["warnings"] == []

@@ -198,3 +198,34 @@ def test_within_class_diversity_must_not_fall_beyond_the_noise():
         r["name"] = "other/" + r["name"]
     with pytest.raises(ship_check.VerdictError, match="fewer than 2 classes"):
         ship_check.verdict(apart)
+
+
+def test_the_tie_rule_keeps_the_agreement_and_asks_more_of_fd(tmp_path):
+    """--rule tie: for a candidate with its own D, as good as the shipped model is enough."""
+    m = _with_diversity(_load(), 0.9, 0.9)
+    snaps = _by_file(m)
+    old = snaps[SHIPPED]
+    new = next(s for f, s in snaps.items() if f != SHIPPED)
+    se = ship_check.verdict(m)["checks"]["per_class_mean_up"]["se"]
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] - se      # a fall inside the noise
+    new["fd"] = old["fd"] * 1.04
+    assert ship_check.verdict(copy.deepcopy(m))["ship"] is False                   # not better
+    tie = ship_check.verdict(copy.deepcopy(m), rule="tie")
+    assert tie["ship"] is True and tie["rule"] == "tie"
+    assert set(tie["checks"]) == {"per_class_mean_kept", "fd_within_slack", "within_class_diversity_kept"}
+    assert tie["checks"]["fd_within_slack"]["limit"] == pytest.approx(old["fd"] * 1.05)
+    new["fd"] = old["fd"] * 1.07                  # within the better rule's 10 %, not the tie rule's 5 %
+    assert ship_check.verdict(copy.deepcopy(m), rule="tie")["ship"] is False
+    assert ship_check.verdict(copy.deepcopy(m), rule="tie", fd_slack=0.10)["ship"] is True
+    new["fd"] = old["fd"]
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"] - 3 * se  # a fall beyond it
+    assert ship_check.verdict(copy.deepcopy(m), rule="tie")["checks"]["per_class_mean_kept"]["ok"] is False
+    # the diversity part holds in both rules
+    new["agreement"]["balanced_top1"] = old["agreement"]["balanced_top1"]
+    assert ship_check.verdict(_with_diversity(copy.deepcopy(m), 0.8, 0.9), rule="tie")["ship"] is False
+    p = tmp_path / "tie.json"
+    p.write_text(json.dumps(m))
+    r = _cli(p, "--rule", "tie")
+    assert r.returncode == 0 and "rule tie" in r.stdout and "not below by > 2 SE: yes" in r.stdout
+    with pytest.raises(ship_check.VerdictError, match="--rule"):
+        ship_check.verdict(m, rule="maybe")
