@@ -229,3 +229,22 @@ def test_the_tie_rule_keeps_the_agreement_and_asks_more_of_fd(tmp_path):
     assert r.returncode == 0 and "rule tie" in r.stdout and "not below by > 2 SE: yes" in r.stdout
     with pytest.raises(ship_check.VerdictError, match="--rule"):
         ship_check.verdict(m, rule="maybe")
+
+
+# the 2026-12-07 from-scratch candidate (class balance 0.5, 3,277 kimg) beside the shipped model, scored on the CPU
+# with the within-class diversity (n 2,000, 16 samples of every class, psi 0.7)
+SCRATCH = ROOT / "docs/results/2026-12-07-b91d355-cpu-emoji64-scratch05-vs-shipped-psi07-within-class.json"
+
+
+def test_the_scratch_candidate_passes_the_old_two_parts_and_fails_on_class_wise_collapse():
+    m = json.loads(SCRATCH.read_text())
+    v = ship_check.verdict(m)
+    c = v["checks"]
+    # what the rule asked before 2026-12-07 holds at these latents ...
+    assert c["per_class_mean_up"]["ok"] and c["fd_within_slack"]["ok"]
+    # ... but inside its classes the candidate draws fewer different pictures: beyond 2 standard errors
+    wc = c["within_class_diversity_kept"]
+    assert wc["measured"] and wc["classes"] == 97 and not wc["ok"]
+    assert wc["change"] < -2 * wc["se"] < 0
+    assert wc["below_half"]["candidate"] > wc["below_half"]["shipped"]
+    assert v["ship"] is False and ship_check.verdict(m, rule="tie")["ship"] is False
