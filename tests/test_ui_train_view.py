@@ -88,3 +88,16 @@ def test_the_train_tab_plots_start_with_those_axes_and_the_samples_caption_sits_
         assert cfg[plot]["props"]["x_lim"] == [0, 1] and cfg[plot]["props"]["y_lim"] == [0, 1], plot
     assert cfg["train-samples"]["props"]["show_label"] is False          # no label badge over the grid
     assert "Latest samples" in cfg["train-samples-caption"]["props"]["value"]
+
+
+def test_a_conditional_run_plots_its_class_diversity():
+    recs = records()
+    for r in recs:
+        if r["kind"] == "monitor":
+            r["class_diversity"] = 0.6 if r["kimg"] < 0.9 else 0.4
+    mon = train_view.monitor_frame(recs)
+    cd = mon[mon.series == "class diversity"]
+    assert cd["value"].tolist() == [0.6, 0.4] and cd["kimg"].tolist() == [0.5, 1.0]
+    # an unconditional run keeps the series, without points
+    plain = train_view.monitor_frame(records())
+    assert plain[plain.series == "class diversity"]["value"].isna().all()
