@@ -34,7 +34,7 @@ from torch import nn
 
 from core.errors import InputError, ModelLoadError
 from core.shapes import shape_difference
-from evaluation.scores import fid_from_features
+from evaluation.scores import fid_from_features, mean_pairwise_distance
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WEIGHTS = ROOT / "assets" / "metrics" / "emoji_classifier.safetensors"
@@ -333,16 +333,6 @@ def class_agreement(pred_class, pred_group, asked, classifier: EmojiClassifier, 
     # people, flags), the balanced one says how many of the classes are drawn recognisably
     out["balanced_top1"] = float(np.mean([r["top1"] for r in per]))
     return out
-
-
-def mean_pairwise_distance(feats) -> float:
-    """Mean Euclidean distance over all pairs of distinct rows (an unbiased estimate of E|x - x'| for any n >= 2,
-    so classes with few samples are not biased low or high, only noisier)."""
-    x = torch.as_tensor(np.asarray(feats), dtype=torch.float64)
-    n = len(x)
-    if n < 2:
-        raise InputError(f"a mean pairwise distance needs at least 2 rows; got {n}")
-    return float(torch.cdist(x, x).sum().item() / (n * (n - 1)))
 
 
 def within_class_diversity(fake_feats, fake_classes, real_feats, real_classes, names: list[str] | None = None,

@@ -218,3 +218,13 @@ def inception_score(logits, splits: int = 10, shuffle: bool = True, seed: int = 
         kl = (chunk.exp() * (chunk - log_py)).sum(dim=1).mean()
         scores.append(float(torch.exp(kl)))
     return MeanStd(float(np.mean(scores)), float(np.std(scores)))
+
+
+def mean_pairwise_distance(feats) -> float:
+    """Mean Euclidean distance over all pairs of distinct rows of [N, D] features (a tensor or an array): an
+    unbiased estimate of E|x - x'| for any n >= 2, so classes with few samples are not biased, only noisier."""
+    f = torch.as_tensor(feats).double()
+    n = f.shape[0]
+    if n < 2:
+        raise InputError(f"a mean pairwise distance needs at least 2 rows; got {n}")
+    return float((torch.cdist(f, f).sum() / (n * (n - 1))).item())

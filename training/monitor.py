@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import InputError
+from evaluation.scores import mean_pairwise_distance
 
 COUNTERMEASURES = ("augment", "dropout", "mbstd", "d_steps")
 
@@ -94,15 +95,6 @@ def pairwise_stats(feats: torch.Tensor, ref_distance: float, dup_threshold: floa
     nearest = d.masked_fill(~off, float("inf")).min(dim=1).values
     dup = (nearest < dup_threshold * ref_distance).float().mean().item() if ref_distance > 0 else 0.0
     return mean, dup
-
-
-def mean_pairwise_distance(feats: torch.Tensor) -> float:
-    """Mean L2 distance over the pairs of distinct rows (unbiased for any n >= 2)."""
-    n = feats.shape[0]
-    if n < 2:
-        raise InputError("a mean pairwise distance needs at least 2 samples")
-    f = feats.double()
-    return (torch.cdist(f, f).sum() / (n * (n - 1))).item()
 
 
 @dataclass
