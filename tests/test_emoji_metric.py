@@ -347,8 +347,9 @@ def test_snapshot_script_errors(tmp_path, capsys):
     assert emoji_metrics.snapshot_kimg(Path("x.safetensors"), {"training": {"kimg": 716.8}}) == 716.8
 
 
-def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, subset):
-    """A class-conditional G draws its classes from the data's labels (key from the file's metadata)."""
+def _tiny_group_generator(tmp_path, subset, seed: int):
+    """A tiny random generator conditioned on the 10 emoji groups, saved as tmp_path/cond/G_ema-000040kimg with
+    its label key, and the labels of the 300 small_data images: (G, group names, labels file)."""
     from models import stylegan2
     from models.stylegan import save_generator
     from training.dataset import load_labels
@@ -356,11 +357,19 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
     groups, names = load_labels(DEFAULT_LABELS, "group", 3916)
     labels = tmp_path / "labels.json"
     labels.write_text(json.dumps({"group": groups[subset[:300]].tolist(), "groups": names}))
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     G = stylegan2.Generator(z_dim=8, c_dim=len(names), w_dim=8, img_resolution=16, img_channels=3,
                             mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
     save_generator(G, tmp_path / "cond" / "G_ema-000040kimg", "stylegan2",
                    metadata={"kimg": 40, "classes": {"key": "group", "names": names}})
+    return G, names, labels, groups[subset[:300]]
+
+
+def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, subset):
+    """A class-conditional G draws its classes from the data's labels (key from the file's metadata)."""
+    from models.stylegan import save_generator
+
+    G, names, labels, _ = _tiny_group_generator(tmp_path, subset, seed=1)
     save_generator(G, tmp_path / "nokey" / "G_ema-000040kimg", "stylegan2", metadata={"kimg": 40})
     base = ["--n", "40", "--batch", "16", "--device", "cpu", "--data", str(small_data), "--labels", str(labels),
             "--no-progress"]
@@ -410,18 +419,7 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
 def test_snapshot_script_measures_within_class_diversity(tmp_path, small_data, subset):
     """--per-class N: N samples of every class on their own latents, each class's spread against the data's own
     images of it; the same model scored twice gives the same figure, and 0 skips it."""
-    from models import stylegan2
-    from models.stylegan import save_generator
-    from training.dataset import load_labels
-
-    groups, names = load_labels(DEFAULT_LABELS, "group", 3916)
-    labels = tmp_path / "labels.json"
-    labels.write_text(json.dumps({"group": groups[subset[:300]].tolist(), "groups": names}))
-    torch.manual_seed(2)
-    G = stylegan2.Generator(z_dim=8, c_dim=len(names), w_dim=8, img_resolution=16, img_channels=3,
-                            mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
-    save_generator(G, tmp_path / "cond" / "G_ema-000040kimg", "stylegan2",
-                   metadata={"kimg": 40, "classes": {"key": "group", "names": names}})
+    _, names, labels, small_groups = _tiny_group_generator(tmp_path, subset, seed=2)
     base = ["--snapshots", str(tmp_path / "cond"), "--n", "20", "--batch", "16", "--device", "cpu",
             "--data", str(small_data), "--labels", str(labels), "--no-progress"]
     docs = []
@@ -430,7 +428,7 @@ def test_snapshot_script_measures_within_class_diversity(tmp_path, small_data, s
         assert emoji_metrics.main([*base, "--per-class", "3", "--out", str(out)]) == 0
         docs.append(json.loads(out.read_text())["snapshots"][0]["within_class"])
     wc = docs[0]
-    present = {int(g) for g in np.unique(groups[subset[:300]]) if (groups[subset[:300]] == g).sum() >= 2}
+    present = {int(g) for g in np.unique(small_groups) if (small_groups == g).sum() >= 2}
     assert wc["per_class_samples"] == 3 and wc["classes"] == len(present)
     assert {r["name"] for r in wc["per_class"]} == {names[g] for g in present}
     assert all(r["n"] == 3 and r["n_real"] >= 2 and r["ratio"] >= 0 for r in wc["per_class"])
