@@ -227,3 +227,58 @@ def test_class_box_lists_the_models_classes_without_loading_it(tmp_path):
     box = class_choices(services, "stylegan", str(SG_COND))
     assert box.choices == [] and "type an index" in box.info
     assert not services.manager.loaded()
+
+
+def test_class_sheet_beside_a_second_model_and_chosen_classes(tmp_path):
+    """--beside OTHER --classes LIST: per chosen class, this model's seeds then the other's, under a title line."""
+    import importlib.util
+
+    import torch
+
+    from core.errors import InputError
+    from models import stylegan2
+    from models.stylegan import save_generator
+
+    names = [f"Group/c{i}" for i in range(5)]
+    paths = []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        G = stylegan2.Generator(z_dim=8, c_dim=5, w_dim=8, img_resolution=16, img_channels=3,
+                                mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+        paths.append(save_generator(G, tmp_path / f"m{seed}" / "cond.safetensors", "stylegan2",
+                                    metadata={"classes": {"key": "class", "names": names}}))
+    spec = importlib.util.spec_from_file_location("class_sheet", ROOT / "scripts" / "class_sheet.py")
+    sheet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sheet)
+    common = ["--seeds", "2", "--cols", "1", "--colors", "0"]
+    png = tmp_path / "beside.png"
+    assert sheet.main([str(paths[0]), str(png), "--beside", str(paths[1]), "--classes", "1,c3", *common]) == 0
+    im = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    pad, label_h, res, gap = 6, 14, 16, 12
+    head = label_h + pad
+    pw = 2 * 2 * res + gap
+    assert im.shape == (head + 2 * (res + label_h + pad) + pad, pw + 2 * pad, 3)        # 2 classes, one column
+
+    def half(row, m):
+        x0, y0 = pad + m * (2 * res + gap), head + pad + row * (res + label_h + pad) + label_h
+        return im[y0:y0 + res, x0:x0 + 2 * res]
+
+    assert all(half(r, m).std() > 1 for r in (0, 1) for m in (0, 1))      # both models drew both classes
+    assert np.abs(half(0, 0) - half(0, 1)).mean() > 0.5                    # another model, another picture
+    # the left halves are what the model's own sheet draws for classes 1 and 3
+    alone = tmp_path / "alone.png"
+    assert sheet.main([str(paths[0]), str(alone), "--classes", "1,3", *common]) == 0
+    a = np.asarray(Image.open(alone).convert("RGB")).astype(int)
+    for row in (0, 1):
+        y0 = pad + row * (res + label_h + pad) + label_h
+        assert np.array_equal(a[y0:y0 + res, pad:pad + 2 * res], half(row, 0))
+    # models of other classes cannot stand side by side
+    torch.manual_seed(5)
+    G3 = stylegan2.Generator(z_dim=8, c_dim=3, w_dim=8, img_resolution=16, img_channels=3,
+                             mapping_kwargs={"num_layers": 1}, channel_base=64, channel_max=8)
+    three = save_generator(G3, tmp_path / "three.safetensors", "stylegan2",
+                           metadata={"classes": {"key": "class", "names": names[:3]}})
+    with pytest.raises(InputError, match="other classes"):
+        sheet.main([str(paths[0]), str(tmp_path / "x.png"), "--beside", str(three), *common])
+    with pytest.raises(InputError):
+        sheet.main([str(paths[0]), str(tmp_path / "x.png"), "--classes", "no-such-class", *common])
