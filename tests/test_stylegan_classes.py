@@ -271,7 +271,7 @@ def test_class_sheet_beside_a_second_model_and_chosen_classes(tmp_path):
     a = np.asarray(Image.open(alone).convert("RGB")).astype(int)
     for row in (0, 1):
         y0 = pad + row * (res + label_h + pad) + label_h
-        assert np.array_equal(a[y0:y0 + res, pad:pad + 2 * res], half(row, 0))
+        assert np.abs(a[y0:y0 + res, pad:pad + 2 * res] - half(row, 0)).max() <= 2     # a rounding step at most
     # models of other classes cannot stand side by side
     torch.manual_seed(5)
     G3 = stylegan2.Generator(z_dim=8, c_dim=3, w_dim=8, img_resolution=16, img_channels=3,

@@ -785,7 +785,7 @@ class Trainer:
             aug_p = float(self.aug.p) if self.aug is not None else None
             aug_ops = leak_prone_ops(self.aug.pipe) if self.aug is not None else []
             by_class = {}
-            if self.monitor.state.class_real_distance:
+            if self._monitor_class_real is not None and self.monitor.state.class_real_distance:
                 cs, cc = self.render_classes(self.cfg.monitor_per_class)
                 by_class = {"class_samples": cs, "sample_classes": cc}
             record = self.monitor.evaluate(samples, kimg, a_real / n if n else None, a_fake / n if n else None,
