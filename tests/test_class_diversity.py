@@ -160,13 +160,79 @@ def test_the_warning_fires_on_the_share_of_collapsed_classes_too():
         else:
             parts.append(_imgs(4, 60 + c))
     samples = torch.cat(parts)
-    r = mon.evaluate(_imgs(40, 99), 1, None, None, class_samples=samples, sample_classes=cls)
+    healthy = torch.cat([_imgs(4, 70 + c) for c in range(C)])
+    # a healthy evaluation first: the warning is for a loss of diversity (see the warm-up test below)
+    assert mon.evaluate(_imgs(40, 99), 1, None, None, class_samples=healthy, sample_classes=cls)["warnings"] == []
+    r = mon.evaluate(_imgs(40, 99), 2, None, None, class_samples=samples, sample_classes=cls)
     assert r["classes_below_half"] == 3 and r["class_diversity"] > 0.5
     assert any("3 of 10 classes below half" in w for w in r["warnings"])
     # two of ten (20 %) is not more than the share
     mon2 = CollapseMonitor(MonitorSettings())
     mon2.set_reference(real)
     mon2.set_class_reference(real, real_cls)
+    mon2.evaluate(_imgs(40, 99), 1, None, None, class_samples=healthy, sample_classes=cls)
     two = torch.cat([parts[0], parts[1], _imgs(4, 62)] + parts[3:])
-    r2 = mon2.evaluate(_imgs(40, 99), 1, None, None, class_samples=two, sample_classes=cls)
+    r2 = mon2.evaluate(_imgs(40, 99), 2, None, None, class_samples=two, sample_classes=cls)
     assert r2["classes_below_half"] == 2 and r2["warnings"] == []
+
+
+def _squeezed(C, k, seed):
+    """4 samples in each of C classes, every class's spread scaled by k (k near 0: one picture per class)."""
+    parts = []
+    for c in range(C):
+        centre = _imgs(1, seed + c)
+        parts.append((centre + k * (_imgs(4, seed + 100 + c) - centre)).clamp(-1, 1))
+    return torch.cat(parts)
+
+
+def test_classes_still_forming_do_not_warn_but_a_fall_or_a_long_low_stretch_does():
+    """A young conditional G draws each class alike and gets more varied as it learns: no warning while the class
+    diversity rises. A fall from its best warns at once; classes that never form warn after class_patience."""
+    C = 6
+    real = _imgs(10 * C, 3)
+    real_cls = torch.arange(C).repeat_interleave(10)
+    cls = torch.arange(C).repeat_interleave(4)
+
+    def fresh(**kw):
+        m = CollapseMonitor(MonitorSettings(**kw))
+        m.set_reference(real)
+        m.set_class_reference(real, real_cls)
+        return m
+
+    def step(m, k, i):
+        return m.evaluate(_imgs(24, 5), i, None, None, class_samples=_squeezed(C, k, 200), sample_classes=cls)
+
+    rising = fresh()
+    recs = [step(rising, k, i) for i, k in enumerate((0.05, 0.15, 0.3, 0.45))]
+    divs = [r["class_diversity"] for r in recs]
+    assert divs == sorted(divs) and divs[0] < 0.5, divs                  # low, and rising
+    assert all(r["warnings"] == [] for r in recs)
+    # then it falls back: a loss, and below half -> a warning
+    fell = step(rising, 0.1, 5)
+    assert fell["class_diversity"] < 0.95 * max(divs)
+    assert any("class-wise collapse" in w for w in fell["warnings"])
+
+    # never forming: flat and low; quiet for class_patience - 1 evaluations, then it warns
+    flat = fresh(class_patience=3)
+    quiet = [step(flat, 0.1, i)["warnings"] for i in range(2)]
+    assert quiet == [[], []]
+    assert any("class-wise collapse" in w for w in step(flat, 0.1, 2)["warnings"])
+
+
+def test_the_shipped_run_s_own_monitor_log_raises_no_class_warning_under_the_rule():
+    """The 2026-12-07 run that shipped (docs/results/...-nobal-log.jsonl) warned five times in its first 500 kimg
+    under the old rule (41 of 97 classes below half at 100 kimg, while rising); replayed through the rule: none."""
+    from pathlib import Path
+
+    log = Path(__file__).resolve().parent.parent / "docs/results/2026-12-07-e009eca-h100-emoji64-nobal-log.jsonl"
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    recs = [r for r in recs if r.get("kind") == "monitor" and "class_diversity" in r]
+    assert len(recs) >= 30
+    assert sum(bool(r["warnings"]) for r in recs[:5]) == 5       # what the old rule said
+    mon = CollapseMonitor(MonitorSettings())
+    low = fired = 0
+    for r in recs:
+        low += mon._is_low(r)
+        fired += mon._class_collapse(r)
+        mon.state.history.append(r)
+    assert low == 5 and fired == 0

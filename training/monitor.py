@@ -31,12 +31,17 @@ Warnings (logged, and shown in the UI from log.jsonl):
 - "diversity": diversity fell below `drop_fraction` of its best over the last
   `window` evaluations and below `min_ratio` of the data's, or the duplicate rate
   exceeds `max_dup_rate`;
-- "class diversity": the class diversity fell below `class_min_ratio` of the data's, or more
+- "class diversity": the class diversity is below `class_min_ratio` of the data's, or more
   than `class_collapse_share` (20 %) of the classes are below half their own data's spread
-  (samples of a class look alike: class-wise mode collapse). Calibrated on the two emoji64
-  runs there are: the shipped model has 11 of 97 classes below half (mean 0.78), the
-  2026-12-07 from-scratch candidate 16 at 2,000 kimg and 21 from 2,800 kimg on (mean 0.72),
-  so it would have warned at 2,800 kimg;
+  (samples of a class look alike: class-wise mode collapse), *and* it is a loss: the class
+  diversity has fallen below `class_fall` (95 %) of its best so far in the run, or it has been
+  low for `class_patience` (10) evaluations in a row. A young conditional G draws each class
+  alike before it learns to use z; without the second condition the run shipped on 2026-12-07
+  warned five times in its first 500 kimg (41 of 97 classes below half at 100 kimg, rising).
+  Calibrated on the emoji64 runs: the 3,507-kimg model had 11 of 97 classes below half (mean
+  0.78); the class-balanced 2026-12-07 candidate 16 at 2,000 kimg and 21 from 2,800 kimg on
+  (mean 0.72, down from 0.79 at 400 kimg), so it would have warned at 2,800 kimg; the shipped
+  3,482-kimg run peaked at 0.98 (1,900 kimg) and ended at 0.78 with 9-12 below half: no warning;
 - "d_accuracy": D accuracy stayed above `d_acc_threshold` (95%) for `patience`
   evaluations in a row;
 - "augmentation leak": the augmentation p (read by the trainer at the evaluation) has
@@ -106,6 +111,8 @@ class MonitorSettings:
     max_dup_rate: float = 0.1        # more than 10% near-duplicates -> warning
     class_min_ratio: float = 0.5     # within-class diversity below half the data's -> warning
     class_collapse_share: float = 0.2    # ... or more than 20% of the classes below half their own data's
+    class_fall: float = 0.95         # ... once it has fallen below 95% of its best so far (collapse is a loss) ...
+    class_patience: int = 10         # ... or has stayed low for this many evaluations (classes that never form)
     d_acc_threshold: float = 0.95
     patience: int = 3
     window: int = 10
@@ -202,8 +209,7 @@ class CollapseMonitor:
         per_class = {}
         if class_samples is not None:
             per_class = self.class_diversity(class_samples, sample_classes)
-            below = per_class["classes_below_half"] / per_class["class_diversity_classes"]
-            if per_class["class_diversity"] < s.class_min_ratio or below > s.class_collapse_share:
+            if self._class_collapse(per_class):
                 warnings.append(f"within-class diversity {per_class['class_diversity']:.2f} of the data's: samples "
                                 f"of a class look alike ({per_class['classes_below_half']} of "
                                 f"{per_class['class_diversity_classes']} classes below half; class-wise collapse)")
@@ -228,6 +234,30 @@ class CollapseMonitor:
                   "aug_leak_zone": leak_zone, "leak_warning": leak_warning, "warnings": warnings}
         st.history.append(record)
         return record
+
+    def _is_low(self, rec: dict) -> bool:
+        s = self.settings
+        below = rec["classes_below_half"] / max(1, rec["class_diversity_classes"])
+        return rec["class_diversity"] < s.class_min_ratio or below > s.class_collapse_share
+
+    def _class_collapse(self, per_class: dict) -> bool:
+        """Low class diversity that is a collapse rather than classes still forming: low now, and either
+        fallen below `class_fall` of its best so far in this run, or low for `class_patience` evaluations in a row.
+        A young conditional G draws every class alike before it has learned to use z (the 2026-12-07 run warned
+        five times in its first 500 kimg, 41 of 97 classes below half at 100 kimg, all while rising)."""
+        s = self.settings
+        if not self._is_low(per_class):
+            return False
+        past = [h for h in self.state.history if "class_diversity" in h]
+        best = max([h["class_diversity"] for h in past], default=per_class["class_diversity"])
+        if per_class["class_diversity"] < s.class_fall * best:
+            return True
+        streak = 1
+        for h in reversed(past):
+            if not self._is_low(h):
+                break
+            streak += 1
+        return streak >= s.class_patience
 
     def choose_countermeasure(self, record: dict) -> str | None:
         """The next counter-measure to apply for this record's collapse warnings, or None.
