@@ -212,8 +212,10 @@ def plot(result: dict, path: Path) -> str:
 
 
 def class_plot(result: dict, path: Path) -> str:
-    """Per class, the share of samples the classifier names as that class (the last scored snapshot) beside the
-    share of the data set's own images it names right (the ceiling); returns '' or why it was not drawn."""
+    """Per class, the share of samples the classifier names as that class beside the share of the data set's own
+    images it names right (the ceiling); returns '' or why it was not drawn. One generator scored (or snapshots):
+    the last one. Several --generator files (a candidate beside the shipped model): the first two, class by class,
+    each with its own bar, so a ship decision reads which classes each draws better."""
     try:
         import matplotlib
 
@@ -224,25 +226,35 @@ def class_plot(result: dict, path: Path) -> str:
     rows = [r for r in result["snapshots"] if (r.get("agreement") or {}).get("per_class")]
     if not rows:
         return "no snapshot was scored for class agreement (it needs a class-conditional generator)"
-    row = rows[-1]
+    shown = rows[:2] if result.get("compare") and len(rows) >= 2 else rows[-1:]
     real = {r["name"]: r["top1"] for r in (result.get("real_agreement") or {}).get("per_class", [])}
-    per = row["agreement"]["per_class"]
+    per = shown[0]["agreement"]["per_class"]
     names = [r["name"] for r in per]
     y = np.arange(len(per))[::-1]
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.16 * len(per)), constrained_layout=True)
     ax.barh(y, [real.get(n, np.nan) for n in names], height=0.8, color="0.85", label="the data set's own images")
-    ax.barh(y, [r["top1"] for r in per], height=0.45, color="tab:green", label="generated samples")
+    if len(shown) == 1:
+        ax.barh(y, [r["top1"] for r in per], height=0.45, color="tab:green", label="generated samples")
+    else:
+        for k, (row, colour, dy) in enumerate(zip(shown, ("tab:green", "tab:purple"), (0.14, -0.14))):
+            top = {r["name"]: r["top1"] for r in row["agreement"]["per_class"]}
+            ax.barh(y + dy, [top.get(n, np.nan) for n in names], height=0.26, color=colour,
+                    label=f"{'ABCDEFGH'[k]}: {Path(row['file']).name}")
     ax.set_yticks(y, [f"{n} ({r['n']})" for n, r in zip(names, per)], fontsize=6)
     ax.set_ylim(-0.7, len(per) - 0.3)
     ax.set_xlim(0, 1)
     ax.set_xlabel("share the emoji classifier names as the class asked for (top-1)")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=2, frameon=False)
-    a = row["agreement"]
-    kimg = f"{row['kimg']:g} kimg, " if row.get("kimg") is not None else ""
-    fig.suptitle(f"{Path(row['file']).name}: {kimg}truncation {result['truncation']:g}, {a['n']} samples "
-                 f"(per class in brackets)\ntop-1 {a.get('class_top1', a.get('group_top1')):.3f}, per-class mean "
-                 f"{a['balanced_top1']:.3f}", fontsize=8)
+    lines = []
+    for k, row in enumerate(shown):
+        a = row["agreement"]
+        kimg = f"{row['kimg']:g} kimg, " if row.get("kimg") is not None else ""
+        tag = f"{'ABCDEFGH'[k]}: " if len(shown) > 1 else ""
+        lines.append(f"{tag}{Path(row['file']).name}: {kimg}top-1 {a.get('class_top1', a.get('group_top1')):.3f}, "
+                     f"per-class mean {a['balanced_top1']:.3f}")
+    fig.suptitle(f"truncation {result['truncation']:g}, {shown[0]['agreement']['n']} samples (per class in brackets)\n"
+                 + "\n".join(lines), fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -281,6 +293,8 @@ def run(args) -> dict:
         "n": args.n, "k": args.k, "truncation": args.truncation, "truncation_centre": args.truncation_centre,
         "seed": args.seed, "batch": args.batch,
         "device": str(device),
+        # several --generator files and no snapshot series: models side by side (the class plot draws two)
+        "compare": not args.snapshots and len(args.generator or []) > 1,
         "reference_floor": reference_floor(real, args.k, args.seed, device),
         "snapshots": [],
     }

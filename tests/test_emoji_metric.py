@@ -416,6 +416,45 @@ def test_snapshot_script_scores_a_conditional_generator(tmp_path, small_data, su
     assert not (tmp_path / "none.png").exists()
 
 
+def test_two_generators_side_by_side_get_a_two_bar_class_plot(tmp_path, small_data, subset):
+    """--generator CANDIDATE SHIPPED (what h200_train.sh finish runs): the JSON says it is a comparison and the
+    class plot draws both models' bars per class (green the first, purple the second), not only the last one's."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from models.stylegan import save_generator
+
+    _, names, labels, _ = _tiny_group_generator(tmp_path, subset, seed=1)
+    (tmp_path / "b").mkdir()
+    G2, _, _, _ = _tiny_group_generator(tmp_path / "b", subset, seed=2)
+    save_generator(G2, tmp_path / "other-model", "stylegan2", metadata={"kimg": 80, "classes": {"key": "group",
+                                                                                               "names": names}})
+    a = tmp_path / "cond" / "G_ema-000040kimg.safetensors"
+    base = ["--n", "40", "--batch", "16", "--device", "cpu", "--data", str(small_data), "--labels", str(labels),
+            "--no-progress", "--per-class", "0"]
+    out, cplot = tmp_path / "vs.json", tmp_path / "vs.png"
+    assert emoji_metrics.main(["--generator", str(a), str(tmp_path / "other-model.safetensors"), *base,
+                               "--out", str(out), "--class-plot", str(cplot)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["compare"] is True and len(doc["snapshots"]) == 2
+
+    def purple_share(path):
+        px = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3).astype(int)
+        # matplotlib's tab:purple (148, 103, 189)
+        return float((np.abs(px - [148, 103, 189]).sum(1) < 40).mean())
+
+    assert purple_share(cplot) > 0.001
+    # the same numbers read as a series (not a comparison): one model's bars, no purple
+    doc["compare"] = False
+    single = tmp_path / "single.png"
+    assert emoji_metrics.class_plot(doc, single) == ""
+    assert purple_share(single) < 1e-4
+    # one --generator is not a comparison
+    o = tmp_path / "one.json"
+    assert emoji_metrics.main(["--generator", str(a), *base, "--out", str(o)]) == 0
+    assert json.loads(o.read_text())["compare"] is False
+
+
 def test_snapshot_script_measures_within_class_diversity(tmp_path, small_data, subset):
     """--per-class N: N samples of every class on their own latents, each class's spread against the data's own
     images of it; the same model scored twice gives the same figure, and 0 skips it."""
