@@ -239,7 +239,7 @@ def class_plot(result: dict, path: Path) -> str:
         for k, (row, colour, dy) in enumerate(zip(shown, ("tab:green", "tab:purple"), (0.14, -0.14))):
             top = {r["name"]: r["top1"] for r in row["agreement"]["per_class"]}
             ax.barh(y + dy, [top.get(n, np.nan) for n in names], height=0.26, color=colour,
-                    label=f"{'ABCDEFGH'[k]}: {Path(row['file']).name}")
+                    label=f"{'AB'[k]}: {Path(row['file']).name}")
     ax.set_yticks(y, [f"{n} ({r['n']})" for n, r in zip(names, per)], fontsize=6)
     ax.set_ylim(-0.7, len(per) - 0.3)
     ax.set_xlim(0, 1)
@@ -250,7 +250,7 @@ def class_plot(result: dict, path: Path) -> str:
     for k, row in enumerate(shown):
         a = row["agreement"]
         kimg = f"{row['kimg']:g} kimg, " if row.get("kimg") is not None else ""
-        tag = f"{'ABCDEFGH'[k]}: " if len(shown) > 1 else ""
+        tag = f"{'AB'[k]}: " if len(shown) > 1 else ""
         lines.append(f"{tag}{Path(row['file']).name}: {kimg}top-1 {a.get('class_top1', a.get('group_top1')):.3f}, "
                      f"per-class mean {a['balanced_top1']:.3f}")
     fig.suptitle(f"truncation {result['truncation']:g}, {shown[0]['agreement']['n']} samples (per class in brackets)\n"

@@ -232,7 +232,7 @@ def test_the_shipped_run_s_own_monitor_log_raises_no_class_warning_under_the_rul
     mon = CollapseMonitor(MonitorSettings())
     low = fired = 0
     for r in recs:
-        low += mon._is_low(r)
-        fired += mon._class_collapse(r)
+        low += mon.class_low(r)
+        fired += mon.class_collapse(r)
         mon.state.history.append(r)
     assert low == 5 and fired == 0

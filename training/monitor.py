@@ -209,7 +209,7 @@ class CollapseMonitor:
         per_class = {}
         if class_samples is not None:
             per_class = self.class_diversity(class_samples, sample_classes)
-            if self._class_collapse(per_class):
+            if self.class_collapse(per_class):
                 warnings.append(f"within-class diversity {per_class['class_diversity']:.2f} of the data's: samples "
                                 f"of a class look alike ({per_class['classes_below_half']} of "
                                 f"{per_class['class_diversity_classes']} classes below half; class-wise collapse)")
@@ -235,18 +235,18 @@ class CollapseMonitor:
         st.history.append(record)
         return record
 
-    def _is_low(self, rec: dict) -> bool:
+    def class_low(self, rec: dict) -> bool:
+        """A record's class diversity is low: its mean under class_min_ratio, or too many classes below half."""
         s = self.settings
         below = rec["classes_below_half"] / max(1, rec["class_diversity_classes"])
         return rec["class_diversity"] < s.class_min_ratio or below > s.class_collapse_share
 
-    def _class_collapse(self, per_class: dict) -> bool:
+    def class_collapse(self, per_class: dict) -> bool:
         """Low class diversity that is a collapse rather than classes still forming: low now, and either
-        fallen below `class_fall` of its best so far in this run, or low for `class_patience` evaluations in a row.
-        A young conditional G draws every class alike before it has learned to use z (the 2026-12-07 run warned
-        five times in its first 500 kimg, 41 of 97 classes below half at 100 kimg, all while rising)."""
+        fallen below `class_fall` of its best so far in this run, or low for `class_patience` evaluations in a row
+        (the module docstring says why)."""
         s = self.settings
-        if not self._is_low(per_class):
+        if not self.class_low(per_class):
             return False
         past = [h for h in self.state.history if "class_diversity" in h]
         best = max([h["class_diversity"] for h in past], default=per_class["class_diversity"])
@@ -254,7 +254,7 @@ class CollapseMonitor:
             return True
         streak = 1
         for h in reversed(past):
-            if not self._is_low(h):
+            if not self.class_low(h):
                 break
             streak += 1
         return streak >= s.class_patience
