@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
            "class), for the real images and the generated images' classes alike, so a class's share of training "
            "is proportional to n_c ** (1 - ALPHA): 0 = the data's proportions (default), 0.5 = square-root "
            "sampling, 1 = every class equally often")
+    a("--noisy-twins", type=float, default=None, metavar="WEIGHT",
+      help="with --cond: NoisyTwins against class-wise mode collapse (every sample of a class alike): noise on G's "
+           "class embedding, and a Barlow Twins loss of this weight on the w's of twin samples (same z and class, "
+           "independent noise). 0 = off (default); the paper used 0.001-0.05")
+    a("--noisy-twins-sigma", type=float, default=None, metavar="STD",
+      help="std of the class-embedding noise of --noisy-twins (default 0.25; the embedding has unit second moment)")
+    a("--noisy-twins-start-kimg", type=float, default=None, metavar="N",
+      help="switch --noisy-twins on at this kimg (default 0; the paper starts it on a trained model)")
     a("--labels", default=None, metavar="FILE",
       help="JSON with a list of class indices per image under the --cond key (and the class names under its "
            "plural), or NVlabs' dataset.json; without it, the data folder's or .zip's own dataset.json; "
@@ -134,7 +142,8 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "monitor_per_class", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
-                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d", "class_balance")
+                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d", "class_balance", "noisy_twins",
+                 "noisy_twins_sigma", "noisy_twins_start_kimg")
 
 
 def retune_from_args(args: argparse.Namespace) -> dict | None:

@@ -55,6 +55,12 @@ class TrainConfig:
     class_balance: float = 0.0              # with cond: image i is drawn with probability ~ n_c(i) ** -alpha, so a
                                             # class's share ~ n_c ** (1 - alpha), for real and generated images
                                             # alike: 0 = the data's proportions, 0.5 = square root, 1 = equal
+    noisy_twins: float = 0.0                # with cond: NoisyTwins weight (0 = off): G's class embedding gets
+                                            # Gaussian noise and a Barlow Twins loss on twin w's (same z and class,
+                                            # independent noise) keeps classes consistent and diverse inside
+    noisy_twins_sigma: float = 0.25         # std of that noise on the unit-second-moment class embedding
+    noisy_twins_off_diagonal: float = 0.005 # Barlow Twins' weight of the cross-dimension correlations
+    noisy_twins_start_kimg: float = 0.0     # switch it on at this kimg (the paper starts it on a trained model)
 
     # -- length -------------------------------------------------------------------------------
     kimg: float = 25000.0                   # stop after this many thousand real images shown to D
@@ -304,6 +310,14 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
              f"--cond {cfg.cond} needs labels: --labels FILE (a JSON with a list of per-image class indices under "
              f"{cfg.cond!r}), or NVlabs' dataset.json inside the data folder or .zip")
     need(cfg.arch == "stylegan2" or not cfg.cond, "class-conditional training (--cond) is for StyleGAN2 networks")
+    need(cfg.noisy_twins >= 0, f"--noisy-twins is a loss weight (0 = off, the paper's 0.001-0.05); got {cfg.noisy_twins}")
+    need(cfg.noisy_twins == 0 or bool(cfg.cond),
+         f"--noisy-twins {cfg.noisy_twins:g} regularises the class embedding of a class-conditional G; this run is "
+         "unconditional: add --cond KEY (with --labels) or drop --noisy-twins")
+    need(cfg.noisy_twins_sigma > 0, f"--noisy-twins-sigma must be > 0 (the paper's 0.25-0.75); got {cfg.noisy_twins_sigma}")
+    need(cfg.noisy_twins_off_diagonal >= 0,
+         f"--noisy-twins-off-diagonal must be >= 0 (Barlow Twins' 0.005); got {cfg.noisy_twins_off_diagonal}")
+    need(cfg.noisy_twins_start_kimg >= 0, f"--noisy-twins-start-kimg must be >= 0; got {cfg.noisy_twins_start_kimg}")
     need(0.0 <= cfg.class_balance <= 1.0,
          f"--class-balance must be between 0 and 1 (0 = classes as often as the data has them, 0.5 = square-root "
          f"sampling, 1 = every class equally often); got {cfg.class_balance}")
@@ -327,6 +341,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.log_every >= 1, "--log-every must be at least 1")
     batch_gpu = cfg.batch // world_size
     need(batch_gpu >= 2, f"each GPU needs a batch of at least 2 (global batch {cfg.batch} over {world_size} GPUs)")
+    need(not cfg.noisy_twins or (batch_gpu >= 4 and batch_gpu % 2 == 0),
+         f"--noisy-twins splits each GPU's G batch into twin pairs: it needs an even per-GPU batch of at least 4; "
+         f"got {batch_gpu} (global {cfg.batch} over {world_size} GPUs)")
     if cfg.pl_weight > 0:
         need(batch_gpu // cfg.pl_batch_shrink >= 1,
              f"the per-GPU batch {batch_gpu} is smaller than --pl-batch-shrink {cfg.pl_batch_shrink}")

@@ -197,6 +197,9 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
         meta["classes"] = doc["classes"]        # {"key": "group", "names": [...]}: class index -> name
     if cfg.class_balance:
         meta["training"]["class_balance"] = cfg.class_balance
+    if cfg.noisy_twins:
+        meta["training"]["noisy_twins"] = {"weight": cfg.noisy_twins, "sigma": cfg.noisy_twins_sigma,
+                                           "start_kimg": cfg.noisy_twins_start_kimg}
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     size = weights.stat().st_size
     if max_bytes is not None and size > max_bytes:
@@ -287,6 +290,11 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
                   f"with probability proportional to n^-{a:g}, so each class was trained in proportion to "
                   f"n^{1 - a:g}{what}, for real and generated images alike; the data's own proportions are "
                   "balance 0."]
+    if cfg.noisy_twins:
+        lines += [f"- NoisyTwins (`--noisy-twins {cfg.noisy_twins:g}`) from {cfg.noisy_twins_start_kimg:g} kimg: "
+                  f"Gaussian noise of std {cfg.noisy_twins_sigma:g} on G's class embedding while training, and a "
+                  "Barlow Twins loss on the w's of twin samples (same z and class, independent noise), against "
+                  "class-wise mode collapse. Inference uses the embedding without noise."]
     lines += [f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`."]
     names = (meta.get("classes") or {}).get("names") or []
     if names:

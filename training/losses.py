@@ -15,6 +15,11 @@ values [N] (or a scalar where noted) in float32, whatever the autocast dtype.
   ProGAN's drift term eps * D(x)^2 that keeps the critic's output from wandering.
 - Path length regularization (Karras et al. 2020): (||J_w^T y|| - a)^2 with y ~ N(0, I)
   / sqrt(pixels) and a the running mean of the lengths.
+- NoisyTwins (Rangwani et al., CVPR 2023), against class-wise mode collapse of a conditional
+  StyleGAN: the same z with two noisy copies of its class embedding gives two w; a Barlow Twins
+  loss (Zbontar et al. 2021) on the batch of pairs pulls each w dimension's twin correlation to 1
+  (the class's w does not depend on the embedding noise: class-consistent) and the cross
+  correlations between dimensions to 0 (w spreads over all its dimensions: diverse).
 """
 from __future__ import annotations
 
@@ -99,3 +104,25 @@ def path_length_penalty(images: torch.Tensor, ws: torch.Tensor, pl_mean: torch.T
     with torch.no_grad():
         pl_mean.copy_(pl_mean.lerp(lengths.mean(), decay))
     return (lengths - pl_mean).square()
+
+
+# -- NoisyTwins ------------------------------------------------------------------------------------
+
+def noisy_twins(wa: torch.Tensor, wb: torch.Tensor, off_diagonal: float = 0.005, eps: float = 1e-5) -> torch.Tensor:
+    """Barlow Twins loss between twin batches of w, [N, w_dim] each (row i of both from the same z and class):
+    sum_i (C_ii - 1)^2 + off_diagonal * sum_{i != j} C_ij^2, C the cross-correlation matrix of the batch-standardised
+    twins. A scalar; 0 for twins that are equal and whose dimensions are uncorrelated."""
+    if wa.ndim != 2 or wa.shape != wb.shape:
+        raise InputError(f"NoisyTwins needs two [N, w_dim] batches of the same shape; got {list(wa.shape)} and "
+                         f"{list(wb.shape)}")
+    n = wa.shape[0]
+    if n < 2:
+        raise InputError("NoisyTwins needs at least 2 twin pairs per step (its correlations are over the batch)")
+    a, b = wa.float(), wb.float()
+    a = (a - a.mean(0)) / (a.var(0, unbiased=False) + eps).sqrt()
+    b = (b - b.mean(0)) / (b.var(0, unbiased=False) + eps).sqrt()
+    c = a.t() @ b / n
+    diag = torch.diagonal(c)
+    on = (diag - 1).square().sum()
+    off = c.square().sum() - diag.square().sum()
+    return on + off_diagonal * off

@@ -64,7 +64,8 @@ RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", 
 # (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
 RESUME_RETUNABLE = ("batch", "lr_g", "lr_d", "r1_gamma", "r1_interval", "pl_weight", "style_mixing", "ema_kimg",
-                    "aug", "aug_pipe", "ada_target", "ada_kimg", "ada_max_p", "d_steps", "class_balance")
+                    "aug", "aug_pipe", "ada_target", "ada_kimg", "ada_max_p", "d_steps", "class_balance",
+                    "noisy_twins", "noisy_twins_sigma", "noisy_twins_start_kimg")
 
 LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
@@ -165,18 +166,20 @@ class GeneratorStep(torch.nn.Module):
         super().__init__()
         self.G = G
         self.style_mixing = float(style_mixing)
+        self.embed_noise = 0.0      # NoisyTwins: noise on the class embedding of every generated image once on
 
     def forward(self, z: torch.Tensor, c: torch.Tensor, update_emas: bool = False):
         G = self.G
+        noise = {"embed_noise": self.embed_noise} if self.embed_noise else {}
         with torch.autocast(z.device.type, enabled=False):
-            ws = G.mapping(z, c, update_emas=update_emas)
+            ws = G.mapping(z, c, update_emas=update_emas, **noise)
             if self.style_mixing > 0:
                 n, num_ws = ws.shape[0], ws.shape[1]
                 # Per-sample crossover point; samples that do not mix get cutoff = num_ws.
                 cutoff = torch.randint(1, num_ws, (n, 1), device=z.device)
                 mix = torch.rand(n, 1, device=z.device) < self.style_mixing
                 cutoff = torch.where(mix, cutoff, torch.full_like(cutoff, num_ws))
-                ws2 = G.mapping(torch.randn_like(z), c, update_emas=False)
+                ws2 = G.mapping(torch.randn_like(z), c, update_emas=False, **noise)
                 take2 = torch.arange(num_ws, device=z.device)[None, :] >= cutoff
                 ws = torch.where(take2[:, :, None], ws2, ws)
         img = G.synthesis(ws, noise_mode="random", update_emas=update_emas)
@@ -204,7 +207,7 @@ def _checkpoint_blocks(module: torch.nn.Module, names: list[str]) -> None:
 class Trainer:
     # Indices into the device-side log accumulator.
     _STATS = ("g_loss", "g_n", "d_loss", "d_n", "r1", "r1_n", "pl", "pl_n", "gp", "gp_n",
-              "acc_real", "acc_fake", "acc_n")
+              "acc_real", "acc_fake", "acc_n", "twins", "twins_n")
 
     def __init__(self, cfg: TrainConfig, resume: str | Path | None = None, log: Callable[[str], None] = print,
                  t_start: float | None = None, write_outputs: bool = True, data: tuple | None = None,
@@ -655,20 +658,47 @@ class Trainer:
         self.stats[4] += penalty.detach().sum()
         self.stats[5] += penalty.shape[0]
 
+    def _twins_on(self) -> bool:
+        """NoisyTwins is on from --noisy-twins-start-kimg: switch the embedding noise on the first time."""
+        cfg = self.cfg
+        if not cfg.noisy_twins or self.cur_nimg < cfg.noisy_twins_start_kimg * 1000:
+            return False
+        if not self.G_step.embed_noise:
+            self.G_step.embed_noise = float(cfg.noisy_twins_sigma)
+            if self.is_main:
+                self.say(f"[twins] kimg {self.cur_nimg / 1000:g}: NoisyTwins on (weight {cfg.noisy_twins:g}, "
+                         f"class-embedding noise {cfg.noisy_twins_sigma:g})")
+        return True
+
     def _g_step(self) -> None:
         cfg = self.cfg
         b = self.batch_gpu
+        twins = self._twins_on()
         _set_requires_grad(self.D, False)
         self.opt_G.zero_grad(set_to_none=True)
-        z = torch.randn(b, self.G.z_dim, device=self.device)
-        gen_c = self._gen_c(b)
+        if twins:
+            # Twin pairs: rows i and h + i share z and class; their class embeddings get independent noise.
+            h = b // 2
+            z = torch.randn(h, self.G.z_dim, device=self.device).repeat(2, 1)
+            gen_c = self._gen_c(h).repeat(2, 1)
+            b = 2 * h
+        else:
+            z = torch.randn(b, self.G.z_dim, device=self.device)
+            gen_c = self._gen_c(b)
         with self._autocast():
-            img, _ = self.G_train(z, gen_c)
+            img, ws = self.G_train(z, gen_c)
             if self.channels_last:
                 img = img.contiguous(memory_format=torch.channels_last)
             logits = self.D_frozen(img if self.fused_augment else self._augment(img), *self._dc(gen_c))
         loss = losses.wgan_g(logits) if cfg.loss == "wgan-gp" else losses.logistic_g(logits)
-        self._backward(loss.mean(), self.scaler_G)
+        total = loss.mean()
+        if twins:
+            # ws[:, 0]: the mapping's own w (style mixing only replaces later ws)
+            tw = losses.noisy_twins(ws[:h, 0], ws[h:, 0], cfg.noisy_twins_off_diagonal)
+            total = total + cfg.noisy_twins * tw
+            self.stats[13] += tw.detach()
+            self.stats[14] += 1
+        self._backward(total, self.scaler_G)
         self._opt_step(self.opt_G, self.scaler_G)
         _set_requires_grad(self.D, True)
         self.stats[0] += loss.detach().sum()
@@ -1153,6 +1183,7 @@ class Trainer:
             "aug_p": float(self.aug.p) if self.aug is not None else 0.0,
             "ada_rt": float(self.ada.last_rt) if self.ada is not None else None,
             "pl_mean": float(self.pl_mean), "d_steps": self.runtime["d_steps"], "mem_gib": round(mem, 3),
+            **({"twins": mean("twins", "twins_n")} if v.get("twins_n") else {}),
             **({"g_frozen": True} if self.g_frozen else {}),
         }
 
