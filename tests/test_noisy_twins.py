@@ -101,7 +101,7 @@ def _trainer(tmp_path, **kw):
 
 
 def test_twin_batches_share_z_and_class_and_switch_on_at_the_start_kimg(tmp_path):
-    tr, said = _trainer(tmp_path, noisy_twins=0.05, noisy_twins_start_kimg=0.016)
+    tr, said = _trainer(tmp_path, noisy_twins=0.05, noisy_twins_start_kimg=0.008)
     seen = []
     step = tr.G_train
 
@@ -111,11 +111,11 @@ def test_twin_batches_share_z_and_class_and_switch_on_at_the_start_kimg(tmp_path
 
     tr.G_train = spy
     b = tr.batch_gpu
-    tr.iteration()                               # 8 images: before the start
+    tr.iteration()                               # from 0 images: before the start
     z, c, noise = seen[-1]
     assert noise == 0.0 and not torch.equal(z[: b // 2], z[b // 2:])
     assert tr.stats[14].item() == 0
-    tr.iteration()                               # 16 images: on
+    tr.iteration()                               # from 8 images: on, for the D step too
     z, c, noise = seen[-1]
     assert noise == 0.25 and z.shape[0] == b
     assert torch.equal(z[: b // 2], z[b // 2:]) and torch.equal(c[: b // 2], c[b // 2:])

@@ -670,10 +670,9 @@ class Trainer:
                          f"class-embedding noise {cfg.noisy_twins_sigma:g})")
         return True
 
-    def _g_step(self) -> None:
+    def _g_step(self, twins: bool = False) -> None:
         cfg = self.cfg
         b = self.batch_gpu
-        twins = self._twins_on()
         _set_requires_grad(self.D, False)
         self.opt_G.zero_grad(set_to_none=True)
         if twins:
@@ -747,6 +746,7 @@ class Trainer:
         torch.manual_seed(_mix(cfg.seed, self.dist.rank, self.step))
         g_frozen = self.cur_nimg < self.freeze_until_nimg      # --freeze-g-kimg: D catches up alone
         self.g_frozen = g_frozen
+        twins = self._twins_on()      # before the D step, so that its fakes get the same embedding noise
         for _ in range(self.runtime["d_steps"]):
             real_u8, labels = self.loader.next_labeled()
             real = to_float(real_u8, self.channels_last)
@@ -757,7 +757,7 @@ class Trainer:
                 self._d_r1_step(real, real_c)
             self.cur_nimg += cfg.batch
         if not g_frozen:
-            self._g_step()
+            self._g_step(twins)
             self.g_updates += 1
             if cfg.pl_weight > 0 and self.g_updates % cfg.pl_interval == 0:
                 self._g_pl_step()
