@@ -1,9 +1,9 @@
-"""The augmentation guards, --retune and the class balance from the Train tab and `TrainRequest`: the pipe
-(upright = no flips or rotations), the cap on ADA's p, a retuned resume and --class-balance reach the trainer's
-config; left alone they keep the preset's values (and the command as it was); bad input is refused before
-anything starts. No waiting on a child: the trainer runs in this
-process on the exact argv the manager would start it with (or wrote to run.json), and the manager's children
-are a stand-in `true` that trains nothing."""
+"""The augmentation guards, --retune, the class balance and NoisyTwins from the Train tab and `TrainRequest`: the
+pipe (upright = no flips or rotations), the cap on ADA's p, a retuned resume, --class-balance and --noisy-twins
+reach the trainer's config; left alone they keep the preset's values (and the command as it was); bad input is
+refused before anything starts. No waiting on a child: the trainer runs in this process on the exact argv the
+manager would start it with (or wrote to run.json), and the manager's children are a stand-in `true` that trains
+nothing."""
 from __future__ import annotations
 
 import json
@@ -173,8 +173,8 @@ def test_train_tab_has_the_controls_and_its_defaults_keep_the_preset(stand_in, t
     assert cap["value"] == 0 and (cap["minimum"], cap["maximum"]) == (0, 1)
     assert retune["value"] is False
     # appended: older API calls keep their order
-    assert START_FIELDS[-8:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels", "init_g", "freeze_g_kimg",
-                                 "class_balance")
+    assert START_FIELDS[-10:] == ("aug_pipe", "ada_max_p", "retune", "cond", "labels", "init_g", "freeze_g_kimg",
+                                  "class_balance", "noisy_twins", "noisy_twins_sigma")
 
     view = TrainView()
     with pytest.raises(gr.Error, match="tick Resume it as well"):
@@ -306,7 +306,7 @@ def test_train_tab_trains_a_class_balanced_conditional_run(tmp_path, data, label
         for words in ("0 = classes as often as your images have them", "0.5 = square-root (small classes more often)",
                       "1 = every class equally often", "only for class-conditional runs"):
             assert words in bal["info"]
-        assert START_FIELDS[-1] == "class_balance"
+        assert START_FIELDS[-3:] == ("class_balance", "noisy_twins", "noisy_twins_sigma")     # appended
         fields = {id(c) for c in start.inputs}
         assert not fields & {id(c) for c in start.outputs}
 
@@ -345,3 +345,168 @@ def test_train_tab_trains_a_class_balanced_conditional_run(tmp_path, data, label
         assert "--class-balance" not in trainer_argv(m.runs_dir / "unbalanced")
     finally:
         m.stop_all(wait=True, grace_s=5)
+
+
+# -- NoisyTwins (--noisy-twins, --noisy-twins-sigma) -----------------------------------------------------
+def test_noisy_twins_is_passed_only_when_set(tmp_path, data, labels):
+    cond = dict(data=str(data), preset="tiny", cond="group", labels=str(labels))
+    args = TrainRequest(**cond, noisy_twins=0.02, noisy_twins_sigma=0.5).checked().cli_args(tmp_path / "t")
+    assert args[args.index("--noisy-twins") + 1] == "0.02" and args[args.index("--noisy-twins-sigma") + 1] == "0.5"
+    cfg, retune = child_config(TrainRequest(**cond, noisy_twins=0.02, noisy_twins_sigma=0.5), tmp_path / "t")
+    assert (cfg.noisy_twins, cfg.noisy_twins_sigma, cfg.cond, retune) == (0.02, 0.5, "group", None)
+    # a weight alone: the trainer's noise (0.25), no sigma on the command line
+    args = TrainRequest(**cond, noisy_twins=0.01).checked().cli_args(tmp_path / "w")
+    assert args[args.index("--noisy-twins") + 1] == "0.01" and "--noisy-twins-sigma" not in args
+    assert child_config(TrainRequest(**cond, noisy_twins=0.01), tmp_path / "w")[0].noisy_twins_sigma == 0.25
+    # every digit typed reaches the run (%g would round it to 6 and a plain resume would then see a difference)
+    cfg, _ = child_config(TrainRequest(**cond, noisy_twins=0.0012345678), tmp_path / "p")
+    assert cfg.noisy_twins == 0.0012345678
+    # 0 and 0: the command as before, the trainer's defaults
+    before = TrainRequest(**cond).checked().cli_args(tmp_path / "z")
+    assert not {"--noisy-twins", "--noisy-twins-sigma"} & set(before)
+    assert TrainRequest(**cond, noisy_twins=0.0, noisy_twins_sigma=0.0).checked().cli_args(tmp_path / "z") == before
+    cfg, _ = child_config(TrainRequest(**cond), tmp_path / "z")
+    assert (cfg.noisy_twins, cfg.noisy_twins_sigma) == (0.0, 0.25)
+    # emoji64 with the preset's labels counts as conditional
+    cfg, _ = child_config(TrainRequest(preset="emoji64", cond="class", noisy_twins=0.005), tmp_path / "e")
+    assert cfg.noisy_twins == 0.005 and cfg.cond == "class"
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(noisy_twins=0.02), r"NoisyTwins \(weight 0.02\) .* this run is unconditional .* set NoisyTwins weight to 0"),
+    (dict(noisy_twins=-0.01, cond="group"), r"NoisyTwins weight must be a number of 0 or more .*got -0.01"),
+    (dict(noisy_twins=math.nan, cond="group"), r"NoisyTwins weight must be a number of 0 or more"),
+    (dict(noisy_twins=math.inf, cond="group"), r"NoisyTwins weight must be a number of 0 or more .*got inf"),
+    (dict(noisy_twins=-1.0), r"NoisyTwins weight must be a number"),        # the range first: one fix at a time
+    (dict(noisy_twins=0.02, noisy_twins_sigma=-0.5, cond="group"), r"twins noise must be a number of 0 or more "
+                                                                   r"\(0 = the trainer's 0.25.*got -0.5"),
+    (dict(noisy_twins=0.02, noisy_twins_sigma=math.nan, cond="group"), r"twins noise must be a number of 0 or more"),
+    (dict(noisy_twins=0.02, noisy_twins_sigma=math.inf, cond="group"), r"twins noise must be a number of 0 or more"),
+    (dict(noisy_twins=0.02, cond="group", batch=2), r"NoisyTwins pairs up each batch .* at least 4; set Batch to 4 "
+                                                    r"or more .*got 2"),
+])
+def test_bad_noisy_twins_is_refused_before_anything_starts(stand_in, data, labels, kw, msg):
+    lab = {"labels": str(labels)} if kw.get("cond") else {}
+    with pytest.raises(InputError, match=msg):
+        stand_in.start(TrainRequest(**{"data": str(data), "preset": "tiny", "name": "bad", **lab, **kw}))
+    assert stand_in.runs() == [] and not (stand_in.runs_dir / "bad").exists()
+
+
+def test_a_resumed_run_takes_noisy_twins_only_with_retune_and_classes(stand_in):
+    _saved_run(stand_in, "cond", cond="group", noisy_twins=0.0, noisy_twins_sigma=0.25)
+    _saved_run(stand_in, "older", cond="group")                      # saved before the option: it trained without
+    _saved_run(stand_in, "twins", cond="group", noisy_twins=0.02, noisy_twins_sigma=0.5)
+    _saved_run(stand_in, "uncond", cond="")
+    for name in ("cond", "older"):
+        with pytest.raises(InputError, match=r"plain resume keeps the run's recipe, so NoisyTwins weight 0.01 "
+                                             r"\(the run's: 0\), twins noise 0.75 \(the run's: 0.25\) would be "
+                                             r"ignored; tick Retune"):
+            stand_in.start(TrainRequest(preset="tiny", name=name, resume=True, noisy_twins=0.01,
+                                        noisy_twins_sigma=0.75))
+    with pytest.raises(InputError, match=r"so twins noise 0.75 \(the run's: 0.5\) would be ignored"):
+        stand_in.start(TrainRequest(preset="tiny", name="twins", resume=True, noisy_twins=0.02, noisy_twins_sigma=0.75))
+    for retune in (False, True):
+        with pytest.raises(InputError, match=r"the run 'uncond' is unconditional .* set NoisyTwins weight to 0"):
+            stand_in.start(TrainRequest(preset="tiny", name="uncond", resume=True, retune=retune, noisy_twins=0.02))
+    assert not any((stand_in.runs_dir / n / "run.json").exists() for n in ("cond", "older", "twins", "uncond"))
+
+    stand_in.start(TrainRequest(preset="tiny", name="cond", resume=True, retune=True, noisy_twins=0.01))
+    argv = trainer_argv(stand_in.runs_dir / "cond")
+    assert "--retune" in argv and argv[argv.index("--noisy-twins") + 1] == "0.01" and "--cond" not in argv
+    assert "--noisy-twins-sigma" not in argv                         # 0: the run keeps its own noise
+    settle(stand_in)
+    # the run's own settings, or none: a plain resume as before
+    stand_in.start(TrainRequest(preset="tiny", name="twins", resume=True, noisy_twins=0.02, noisy_twins_sigma=0.5))
+    argv = trainer_argv(stand_in.runs_dir / "twins")
+    assert "--retune" not in argv and argv[argv.index("--noisy-twins") + 1] == "0.02"
+    settle(stand_in)
+    stand_in.start(TrainRequest(preset="tiny", name="uncond", resume=True))
+    assert "--noisy-twins" not in trainer_argv(stand_in.runs_dir / "uncond")
+
+
+def test_train_tab_trains_and_exports_a_noisy_twins_run(tmp_path, data, labels, capsys):
+    """The NoisyTwins weight and Twins noise under Classes (conditional): refused without a class key or below 0
+    (the form is no output of Start, so it keeps what was typed), passed as --noisy-twins / --noisy-twins-sigma
+    otherwise; the run it starts (here in this process, on the argv the manager wrote) trains with them, and
+    Export to studio names them in the model's metadata."""
+    import gradio as gr
+
+    from ui.train_tab import TrainView
+
+    m = TrainingRunManager(tmp_path / "runs", python=TRUE, device="cpu")
+    try:
+        demo, start = _tab(tmp_path, m)
+        props = {c["props"].get("elem_id"): c["props"] for c in demo.get_config_file()["components"]}
+        weight, sigma = props["train-noisy-twins"], props["train-noisy-twins-sigma"]
+        assert (weight["label"], weight["value"], weight["minimum"]) == ("NoisyTwins weight", 0, 0)
+        assert (sigma["label"], sigma["value"], sigma["minimum"]) == ("Twins noise", 0, 0)
+        for words in ("NoisyTwins", "0 = off", "0.001-0.05", "class key"):
+            assert words in weight["info"]
+        assert "0 = the trainer's 0.25" in sigma["info"]
+        # in the Classes accordion, with the class key and the class balance
+        config = demo.get_config_file()
+        ids = {c["id"]: c["props"].get("elem_id") for c in config["components"]}
+        accordion = next(i for i, e in ids.items() if e == "train-classes")
+        inside = {ids[i] for i in _ids_under(config["layout"], accordion)}
+        assert {"train-cond", "train-class-balance", "train-noisy-twins", "train-noisy-twins-sigma"} <= inside
+        assert "train-init-g" not in inside                              # (the check sees the accordion only)
+
+        view = TrainView()
+        base = dict(data=str(data), preset="tiny", batch=8, kimg=0.016, log_every=1, view=view)
+        with pytest.raises(gr.Error, match="this run is unconditional"):
+            start.fn(**base, name="no-key", noisy_twins=0.02)
+        with pytest.raises(gr.Error, match="NoisyTwins weight must be a number of 0 or more"):
+            start.fn(**base, name="negative", cond="group", labels=str(labels), noisy_twins=-0.02)
+        with pytest.raises(gr.Error, match="twins noise must be a number of 0 or more"):
+            start.fn(**base, name="negative", cond="group", labels=str(labels), noisy_twins=0.02,
+                     noisy_twins_sigma=-1)
+        assert m.runs() == []
+
+        start.fn(**base, name="twins", cond="group", labels=str(labels), noisy_twins=0.02, noisy_twins_sigma=0.5)
+        settle(m)
+        run = m.runs_dir / "twins"
+        argv = trainer_argv(run)
+        assert argv[argv.index("--noisy-twins") + 1] == "0.02" and argv[argv.index("--noisy-twins-sigma") + 1] == "0.5"
+        assert argv[argv.index("--cond") + 1] == "group"
+        req = json.loads((run / "run.json").read_text())["request"]
+        assert (req["noisy_twins"], req["noisy_twins_sigma"]) == (0.02, 0.5)
+        capsys.readouterr()
+        assert cli.main(argv) == 0, capsys.readouterr().err             # the run the tab started
+        assert "NoisyTwins on (weight 0.02, class-embedding noise 0.5)" in capsys.readouterr().out
+        config = json.loads((run / "state.json").read_text())["config"]
+        assert (config["noisy_twins"], config["noisy_twins_sigma"], config["cond"]) == (0.02, 0.5, "group")
+        assert any("twins" in r for r in records(run, "train"))
+
+        paths = m.export("twins", tmp_path / "models")                 # Export to studio
+        meta = json.loads(paths["config"].read_text())["metadata"]["training"]
+        assert meta["noisy_twins"] == {"weight": 0.02, "sigma": 0.5, "start_kimg": 0.0}
+        assert "NoisyTwins (`--noisy-twins 0.02`)" in paths["card"].read_text()
+
+        # the noise without a weight does nothing in a new run: said, and passed as asked
+        with pytest.warns(UserWarning, match="with a NoisyTwins weight of 0 it does nothing"):
+            start.fn(**base, name="noise-only", noisy_twins_sigma=0.5)
+        settle(m)
+        # both left alone: the command as before
+        start.fn(**base, name="plain", cond="group", labels=str(labels), noisy_twins=weight["value"],
+                 noisy_twins_sigma=sigma["value"])
+        assert not {"--noisy-twins", "--noisy-twins-sigma"} & set(trainer_argv(m.runs_dir / "plain"))
+    finally:
+        m.stop_all(wait=True, grace_s=5)
+
+
+def _ids_under(node, target: int) -> list[int]:
+    """The component ids inside the layout node of id `target` (Gradio's config: {"id", "children"})."""
+    if isinstance(node, dict):
+        if node.get("id") == target:
+            found, stack = [], list(node.get("children") or [])
+            while stack:
+                n = stack.pop()
+                found.append(n["id"])
+                stack += n.get("children") or []
+            return found
+        node = node.get("children") or []
+    for child in node:
+        hit = _ids_under(child, target)
+        if hit:
+            return hit
+    return []

@@ -402,11 +402,12 @@ def test_train_tab_starts_watches_and_stops_a_run(page, studio, tmp_path, monkey
     fill(page, "train-data", str(tmp_path / "missing"))                   # bad input: a message, not a crash
     page.click("#train-start-btn")
     page.get_by_text("training data not found").first.wait_for(timeout=LONG)
-    # the Classes accordion opens on its two fields (what they send is tested through the handler,
+    # the Classes accordion opens on its fields (what they send is tested through the handler,
     # tests/test_train_tab_aug.py: a typed value racing the Start click on a busy box made this flaky in CI)
     page.locator("#train-classes").get_by_text("Classes (conditional)").click()
     for elem, label in (("train-cond", "Class key"), ("train-labels", "Labels file"),
-                        ("train-class-balance", "Class balance")):
+                        ("train-class-balance", "Class balance"), ("train-noisy-twins", "NoisyTwins weight"),
+                        ("train-noisy-twins-sigma", "Twins noise")):
         page.locator(f"#{elem} textarea, #{elem} input").first.wait_for(state="visible", timeout=LONG)
         assert label in page.inner_text(f"#{elem}")
     # and so does "Start from a trained generator" (what it sends: tests/test_training_runs_init_g.py)

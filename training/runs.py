@@ -22,6 +22,7 @@ Nothing here imports torch: the studio imports this module at start-up.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -136,6 +137,9 @@ class TrainRequest:
     cmax: int = 0                       # the generator's, when they differ from the preset's)
     class_balance: float = 0.0          # with cond: 0 = classes as often as the data has them, 0.5 = square root,
                                         # 1 = every class equally often (docs/training.md, "Class balance")
+    noisy_twins: float = 0.0            # with cond: NoisyTwins weight against class-wise mode collapse (0 = off;
+                                        # the paper's 0.001-0.05; docs/training.md, "NoisyTwins")
+    noisy_twins_sigma: float = 0.0      # std of its class-embedding noise; 0 = the trainer's (0.25)
 
     def checked(self) -> "TrainRequest":
         """The same request with defaults filled in; raises InputError on what the trainer would refuse."""
@@ -199,6 +203,13 @@ class TrainRequest:
             raise InputError(f"the class balance must be between 0 and 1 (0 = classes as often as your images have "
                              f"them, 0.5 = square-root: small classes more often, 1 = every class equally often); "
                              f"got {self.class_balance}")
+        twins, twins_sigma = float(self.noisy_twins or 0), float(self.noisy_twins_sigma or 0)
+        if not (twins >= 0 and math.isfinite(twins)):        # (NaN too)
+            raise InputError(f"the NoisyTwins weight must be a number of 0 or more (0 = off; the paper used 0.001 to "
+                             f"0.05); got {self.noisy_twins}")
+        if not (twins_sigma >= 0 and math.isfinite(twins_sigma)):
+            raise InputError(f"the twins noise must be a number of 0 or more (0 = the trainer's 0.25; the paper used "
+                             f"0.25 to 0.75); got {self.noisy_twins_sigma}")
         if int(self.cbase or 0) < 0 or int(self.cmax or 0) < 0:
             raise InputError(f"the channel base and most channels must be positive (or 0 for the preset's); "
                              f"got {self.cbase}, {self.cmax}")
@@ -222,6 +233,7 @@ class TrainRequest:
         req = TrainRequest(**{**asdict(self), "data": data, "resolution": res, "kimg": kimg, "minutes": minutes,
                               "aug_pipe": pipe, "ada_max_p": max_p, "name": name, "cond": cond, "labels": labels,
                               "init_g": init_g, "freeze_g_kimg": freeze, "class_balance": balance,
+                              "noisy_twins": twins, "noisy_twins_sigma": twins_sigma,
                               "extra_args": tuple(self.extra_args)})
         if init_g:
             req = req._from_generator()
@@ -229,6 +241,8 @@ class TrainRequest:
             # (a conditional generator gave its class key above; a resumed run's classes are in its checkpoint,
             # checked where the run folder is known: TrainingRunManager.start)
             raise InputError(_UNCONDITIONAL_BALANCE.format(balance=balance, run="this run"))
+        if twins and not req.cond and not self.resume:
+            raise InputError(_UNCONDITIONAL_TWINS.format(weight=twins, run="this run"))
         # the trainer's own validation of the options that do not depend on the data
         cfg = build_config(self.preset, req.resolution, **req.overrides())
         if init_g:
@@ -238,6 +252,12 @@ class TrainRequest:
                 raise InputError(f"{Path(req.init_g).name} is at {start:g} kimg and the run's counters continue "
                                  f"from there, so its length {cfg.kimg:g} kimg would train nothing: set Length "
                                  f"above {start:g} (e.g. {start + freeze + 1000:g}: {then})")
+        if twins and 0 < cfg.batch < 4 and (req.batch or not self.resume):
+            # the G step's batch is half latents and their twins (training/trainer.py): the trainer would refuse
+            # it only after the studio started it (a resumed run without a Batch here keeps its own)
+            raise InputError(f"NoisyTwins pairs up each batch (every latent twice, with different noise): it needs a "
+                             f"batch of at least 4; set Batch to 4 or more (or 0 for the preset's), or NoisyTwins "
+                             f"weight to 0; got {cfg.batch}")
         if cfg.cond and not cfg.labels and cfg.data and not self.resume:
             from training.dataset import nvlabs_labels_source
 
@@ -303,7 +323,9 @@ class TrainRequest:
                 "cond": self.cond or None, "labels": self.labels or None, "init_g": self.init_g or None,
                 "freeze_g_kimg": float(self.freeze_g_kimg) if self.freeze_g_kimg else None,
                 "cbase": int(self.cbase) if self.cbase else None, "cmax": int(self.cmax) if self.cmax else None,
-                "class_balance": float(self.class_balance) if self.class_balance else None}
+                "class_balance": float(self.class_balance) if self.class_balance else None,
+                "noisy_twins": float(self.noisy_twins) if self.noisy_twins else None,
+                "noisy_twins_sigma": float(self.noisy_twins_sigma) if self.noisy_twins_sigma else None}
 
     def cli_args(self, out: Path) -> list[str]:
         """`training.cli` arguments for a checked request writing to `out`."""
@@ -334,6 +356,10 @@ class TrainRequest:
             a += ["--labels", self.labels]
         if self.class_balance:             # 0 passes nothing: the trainer's default, the command as before
             a += ["--class-balance", f"{float(self.class_balance):g}"]
+        if self.noisy_twins:               # likewise: 0 = off, and 0 noise = the trainer's 0.25
+            a += ["--noisy-twins", _exact(float(self.noisy_twins))]
+        if self.noisy_twins_sigma:
+            a += ["--noisy-twins-sigma", _exact(float(self.noisy_twins_sigma))]
         if self.init_g:
             a += ["--init-g", self.init_g]
         if self.seed is not None:
@@ -504,8 +530,8 @@ class TrainingRunManager:
                 if not (out / STATE_FILE).is_file():
                     raise InputError(f"there is no checkpoint to resume in {out}; untick Resume to start "
                                      f"a new run named {req.name!r}")
-                if req.class_balance:
-                    _refuse_balance_without_classes(req, out)
+                if req.class_balance or req.noisy_twins:
+                    _refuse_class_settings_without_classes(req, out)
                 if not req.retune:
                     _refuse_dropped_recipe(req, out)
             elif out.exists() and any(out.iterdir()):
@@ -781,6 +807,9 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
         meta["classes"] = doc["classes"]
     if cfg.class_balance:
         meta["training"]["class_balance"] = cfg.class_balance
+    if cfg.noisy_twins:                # as training/export.py writes it
+        meta["training"]["noisy_twins"] = {"weight": cfg.noisy_twins, "sigma": cfg.noisy_twins_sigma,
+                                           "start_kimg": cfg.noisy_twins_start_kimg}
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     card = weights.with_suffix(".md")
     card.write_text(model_card(cfg, doc, meta, {}, weights.stat().st_size, None, name=weights.stem))
@@ -791,12 +820,16 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
 # The recipe settings of a request that a plain resume would drop (the trainer keeps the run's own;
 # training/trainer.py RESUME_RETUNABLE), with the words the Train tab uses for them.
 _RECIPE_WORDS = {"batch": "batch", "d_steps": "D:G ratio", "aug_pipe": "augmentation pipe", "ada_max_p": "Max p",
-                 "class_balance": "class balance"}
-# what a config saved before a setting existed trained with
-_RECIPE_SAVED_DEFAULTS = {"class_balance": 0.0}
+                 "class_balance": "class balance", "noisy_twins": "NoisyTwins weight",
+                 "noisy_twins_sigma": "twins noise"}
+# what a config saved before a setting existed trained with (TrainConfig's defaults then)
+_RECIPE_SAVED_DEFAULTS = {"class_balance": 0.0, "noisy_twins": 0.0, "noisy_twins_sigma": 0.25}
 _UNCONDITIONAL_BALANCE = ("a class balance ({balance:g}) evens out how often each class is trained, and {run} is "
                           "unconditional (no classes): give the class key under Classes (conditional), or set "
                           "Class balance to 0")
+_UNCONDITIONAL_TWINS = ("NoisyTwins (weight {weight:g}) keeps the pictures within each class varied, and {run} is "
+                        "unconditional (no classes): give the class key under Classes (conditional), or set "
+                        "NoisyTwins weight to 0")
 
 
 def _refuse_dropped_recipe(req: TrainRequest, out: Path) -> None:
@@ -813,12 +846,23 @@ def _refuse_dropped_recipe(req: TrainRequest, out: Path) -> None:
                          "tick Retune to change it, or clear those settings to continue as it was")
 
 
-def _refuse_balance_without_classes(req: TrainRequest, out: Path) -> None:
-    """A resumed run trains the classes of its checkpoint: a class balance for an unconditional one is refused
-    here rather than by the trainer after the studio has started it."""
+def _refuse_class_settings_without_classes(req: TrainRequest, out: Path) -> None:
+    """A resumed run trains the classes of its checkpoint: a class balance or NoisyTwins for an unconditional
+    one is refused here rather than by the trainer after the studio has started it."""
     saved = ((_read_json(out / STATE_FILE) or {}).get("config")) or {}
     if saved and not saved.get("cond"):        # (its own cond: a resumed run keeps it, whatever the form says)
-        raise InputError(_UNCONDITIONAL_BALANCE.format(balance=req.class_balance, run=f"the run {req.name!r}"))
+        run = f"the run {req.name!r}"
+        if req.class_balance:
+            raise InputError(_UNCONDITIONAL_BALANCE.format(balance=req.class_balance, run=run))
+        raise InputError(_UNCONDITIONAL_TWINS.format(weight=req.noisy_twins, run=run))
+
+
+def _exact(value: float) -> str:
+    """A float for the command line as the trainer will save it: %g where that is exact, else every digit (a
+    weight typed as 0.0012345678 must not reach the run as 0.00123457, or a plain resume with the same form
+    would find it differs from the run's)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def _show(value: Any) -> str:

@@ -37,7 +37,8 @@ GPU_NOTE = ("Training runs as a separate process on the same GPU as generation: 
 # the start event's inputs, in the order of `train_start`'s parameters (its API signature)
 START_FIELDS = ("data", "preset", "resolution", "kimg", "minutes", "batch", "loss", "d_steps", "aug", "aug_p",
                 "auto_countermeasures", "name", "resume", "monitor_kimg", "log_every", "aug_pipe", "ada_max_p",
-                "retune", "cond", "labels", "init_g", "freeze_g_kimg", "class_balance")
+                "retune", "cond", "labels", "init_g", "freeze_g_kimg", "class_balance", "noisy_twins",
+                "noisy_twins_sigma")
 # "" is the preset's pipe (bgc; emoji64 upright): an untouched control never overrides a preset
 PIPE_CHOICES = [("preset's", "")] + [(p, p) for p in AUG_PIPES]
 
@@ -49,6 +50,8 @@ INIT_NOTE = ("For a model whose run folder (its checkpoint) is gone, or one shar
              "checkpoint: tick *Resume it* instead.")
 BALANCE_INFO = ("0 = classes as often as your images have them, 0.5 = square-root (small classes more often), "
                 "1 = every class equally often; only for class-conditional runs (a class key)")
+TWINS_INFO = "keeps each class's pictures varied (NoisyTwins); 0 = off, the paper's 0.001-0.05; needs a class key"
+TWINS_SIGMA_INFO = "std of NoisyTwins' noise on the class embedding; 0 = the trainer's 0.25"
 
 
 @dataclass
@@ -214,6 +217,12 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                                       "dataset.json")
                     C["class_balance"] = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Class balance",
                                                    elem_id="train-class-balance", info=BALANCE_INFO)
+                    with gr.Row():
+                        # Numbers, not sliders: the paper's weights span 0.001 to 0.05, too fine for a slider
+                        C["noisy_twins"] = gr.Number(0, label="NoisyTwins weight", minimum=0, step=0.001,
+                                                     elem_id="train-noisy-twins", info=TWINS_INFO)
+                        C["noisy_twins_sigma"] = gr.Number(0, label="Twins noise", minimum=0, step=0.05,
+                                                           elem_id="train-noisy-twins-sigma", info=TWINS_SIGMA_INFO)
                 with gr.Accordion("Start from a trained generator", open=False, elem_id="train-init") as init_box:
                     gr.Markdown(INIT_NOTE, elem_id="train-init-note")
                     with gr.Row():
@@ -286,12 +295,15 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
     def train_start(data="", preset="stylegan2", resolution=0, kimg=0, minutes=0, batch=0, loss="r1", d_steps=0,
                     aug="ada", aug_p=0.0, auto_countermeasures=False, name="", resume=False, monitor_kimg=0,
                     log_every=0, aug_pipe="", ada_max_p=0.0, retune=False, cond="", labels="", init_g="",
-                    freeze_g_kimg=0.0, class_balance=0.0, view: TrainView = None):
+                    freeze_g_kimg=0.0, class_balance=0.0, noisy_twins=0.0, noisy_twins_sigma=0.0,
+                    view: TrainView = None):
         """Start a training run in a separate process; the live view follows it. `cond` (a class key) trains a
         class-conditional model on the labels under that key of `labels` (or of the data set's dataset.json).
         `init_g` (a generator's name in the picker, or a path) starts a new run's G from that exported generator,
         D fresh; `freeze_g_kimg` trains D alone for the run's first N kimg. `class_balance` (0..1, with a class key)
-        evens out how often the classes are trained: 0 = the data's proportions, 0.5 = square root, 1 = equal."""
+        evens out how often the classes are trained: 0 = the data's proportions, 0.5 = square root, 1 = equal.
+        `noisy_twins` (a weight, with a class key; 0 = off, the paper's 0.001-0.05) adds NoisyTwins against
+        class-wise mode collapse, with class-embedding noise of std `noisy_twins_sigma` (0 = the trainer's 0.25)."""
         if settings.public:
             data = _check_visitor_data(settings, str(data or ""))
             if str(labels or "").strip():
@@ -312,7 +324,8 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                                monitor_kimg=float(monitor_kimg or 0), log_every=int(log_every or 0),
                                aug_pipe=str(aug_pipe or ""), ada_max_p=float(ada_max_p or 0), retune=bool(retune),
                                cond=str(cond or "").strip(), labels=str(labels or "").strip(), init_g=init_g,
-                               freeze_g_kimg=float(freeze_g_kimg or 0), class_balance=float(class_balance or 0))
+                               freeze_g_kimg=float(freeze_g_kimg or 0), class_balance=float(class_balance or 0),
+                               noisy_twins=float(noisy_twins or 0), noisy_twins_sigma=float(noisy_twins_sigma or 0))
             st = manager.start(req)
         except AtelierError as exc:
             raise gr.Error(str(exc)) from None
@@ -324,6 +337,9 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
         if req.freeze_g_kimg and not req.init_g:
             gr.Warning("'Train D alone first' is for a run that starts from a trained generator: without one, "
                        "G stays at its random start for those kimg.")
+        if req.noisy_twins_sigma and not req.noisy_twins and not req.resume:
+            # (on a resume with Retune the noise alone retunes a run that has NoisyTwins on)
+            gr.Warning("Twins noise is NoisyTwins' noise: with a NoisyTwins weight of 0 it does nothing in this run.")
         if st.request.get("cbase") and st.request.get("cmax"):      # the form has no width: the generator's
             gr.Info(f"The run builds the generator's network width (channel base {st.request['cbase']}, most "
                     f"channels {st.request['cmax']}, for G and D), not the {req.preset} preset's.")
