@@ -185,3 +185,32 @@ def test_a_twins_run_trains_logs_exports_and_retunes_from_the_command_line(tmp_p
     assert cli.main([*base[:5], str(tmp_path / "u"), "--device", "cpu", "--no-progress", "--kimg", "0.016",
                      "--noisy-twins", "0.02"]) == 2
     assert "unconditional: add --cond KEY" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# on a CUDA GPU: compiled, and no host synchronisation added to the inner loop
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_twins_on_the_gpu_train_compiled_and_never_sync(tmp_path, compile_):
+    rng = np.random.default_rng(0)
+    data = tmp_path / "d.npy"
+    np.save(data, rng.integers(0, 256, size=(256, 64, 64, 3), dtype=np.uint8))
+    lab = tmp_path / "labels.json"
+    lab.write_text(json.dumps({"group": [i % 3 for i in range(256)]}))
+    cfg = build_config("emoji64", data=str(data), out=str(tmp_path / "t"), kimg=10, batch=32, progress=False,
+                       r1_interval=2, pl_interval=2, ada_interval=1, cond="group", labels=str(lab),
+                       compile=compile_, noisy_twins=0.01)
+    tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
+    for _ in range(3):              # warm-up (compilation, cuDNN autotuning)
+        tr.iteration()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            tr.iteration()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(tr.stats).all()
+    assert tr.stats[14].item() == 7 and tr.stats[13].item() > 0 and tr.G_step.embed_noise == 0.25
