@@ -121,6 +121,7 @@ def test_twin_batches_share_z_and_class_and_switch_on_at_the_start_kimg(tmp_path
     assert torch.equal(z[: b // 2], z[b // 2:]) and torch.equal(c[: b // 2], c[b // 2:])
     assert tr.stats[14].item() == 1 and tr.stats[13].item() > 0
     assert any("NoisyTwins on (weight 0.05, class-embedding noise 0.25)" in s for s in said)
+    assert tr.describe().endswith("; NoisyTwins weight 0.05, class-embedding noise 0.25, from kimg 0.008")
     # the D step's fakes come from the same noisy embedding (the paper's noise augmentation)
     assert tr.G_step.embed_noise == 0.25 and tr.G_ema is not tr.G
 
@@ -132,7 +133,7 @@ def test_without_the_option_the_g_step_draws_as_before(tmp_path):
     tr.G_train = lambda z, c, *a, **k: (seen.append(z.clone()), step(z, c, *a, **k))[1]
     for _ in range(3):
         tr.iteration()
-    assert tr.G_step.embed_noise == 0.0 and tr.stats[14].item() == 0
+    assert tr.G_step.embed_noise == 0.0 and tr.stats[14].item() == 0 and "NoisyTwins" not in tr.describe()
     b = tr.batch_gpu
     assert all(not torch.equal(z[: b // 2], z[b // 2:]) for z in seen)
 

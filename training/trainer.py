@@ -1033,7 +1033,10 @@ class Trainer:
                    f"D's graphs)" if cfg.compile else "")
                 + (f"; D alone until kimg {self.freeze_until_nimg / 1000:g}" if self.cur_nimg < self.freeze_until_nimg
                    else "")
-                + (f"; {cfg.c_dim} classes ({cfg.cond}), {self.class_balance_note}" if self.class_balance_note else ""))
+                + (f"; {cfg.c_dim} classes ({cfg.cond}), {self.class_balance_note}" if self.class_balance_note else "")
+                + (f"; NoisyTwins weight {cfg.noisy_twins:g}, class-embedding noise {cfg.noisy_twins_sigma:g}"
+                   + (f", from kimg {cfg.noisy_twins_start_kimg:g}" if cfg.noisy_twins_start_kimg else "")
+                   if cfg.noisy_twins else ""))
 
     def run(self) -> dict[str, Any]:
         """Train until `kimg` or the wall-clock budget; save; return a summary."""
