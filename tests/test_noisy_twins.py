@@ -202,16 +202,8 @@ def test_twins_on_the_gpu_train_compiled_and_never_sync(tmp_path, compile_):
     cfg = build_config("emoji64", data=str(data), out=str(tmp_path / "t"), kimg=10, batch=32, progress=False,
                        r1_interval=2, pl_interval=2, ada_interval=1, cond="group", labels=str(lab),
                        compile=compile_, noisy_twins=0.01)
+    from tests.test_training_gpu import iterate_without_sync
+
     tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
-    for _ in range(3):              # warm-up (compilation, cuDNN autotuning)
-        tr.iteration()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            tr.iteration()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.isfinite(tr.stats).all()
+    iterate_without_sync(tr)
     assert tr.stats[14].item() == 7 and tr.stats[13].item() > 0 and tr.G_step.embed_noise == 0.25

@@ -13,6 +13,23 @@ from training.trainer import Trainer
 pytestmark = pytest.mark.gpu
 
 
+def iterate_without_sync(tr: Trainer, warm: int = 3, steps: int = 4) -> None:
+    """`warm` iterations (cuDNN autotuning, lazy initialisation and compilation may sync), then `steps` with CUDA's
+    sync debug mode raising on any host synchronisation (4 cover R1, path length, ADA updates and EMA at the
+    tests' intervals of 2); the stats stay finite."""
+    for _ in range(warm):
+        tr.iteration()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            tr.iteration()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(tr.stats).all()
+
+
 def _data(tmp_path):
     rng = np.random.default_rng(0)
     p = tmp_path / "d.npy"
@@ -51,17 +68,7 @@ def test_inner_loop_never_waits_for_the_gpu(tmp_path, compile_):
                        progress=False, r1_interval=2, pl_interval=2, ada_interval=1, compile=compile_)
     tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
     assert tr.fused_augment == compile_
-    for _ in range(3):              # warm-up: cuDNN autotuning and lazy initialisation may sync
-        tr.iteration()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):          # covers R1, path length, ADA updates and EMA
-            tr.iteration()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.isfinite(tr.stats).all()
+    iterate_without_sync(tr)
 
 
 def test_tf32_and_cudnn_benchmark_hold_inside_iterations_only(tmp_path):
@@ -110,17 +117,7 @@ def test_conditional_training_on_the_gpu_keeps_labels_with_images_and_never_sync
                        labels=str(lab_path))
     tr = Trainer(cfg, log=lambda s: None, write_outputs=False)
     assert tr.G.c_dim == 3 and tr.D.c_dim == 3
-    for _ in range(3):
-        tr.iteration()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            tr.iteration()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.isfinite(tr.stats).all()
+    iterate_without_sync(tr)
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
