@@ -167,7 +167,7 @@ class MappingNetwork(torch.nn.Module):
 
     def forward(self, z, c, truncation_psi: float = 1, truncation_cutoff: int | None = None,
                 update_emas: bool = False, truncation_centre: torch.Tensor | None = None,
-                embed_noise: float = 0.0) -> torch.Tensor:
+                embed_noise: float | torch.Tensor = 0.0) -> torch.Tensor:
         """truncation_centre: what psi pulls w towards, [w_dim] or one per sample [N, w_dim] (a class's own mean
         w: models/class_centres.py); None = the tracked mean w_avg, NVlabs' truncation. embed_noise: standard
         deviation of Gaussian noise added to the normalised class embedding (training with NoisyTwins only;
@@ -181,7 +181,7 @@ class MappingNetwork(torch.nn.Module):
                 raise InputError(f"this network is conditional: give a class label c of shape [N, {self.c_dim}]")
             assert_shape(c, [None, self.c_dim], "c (class label)")
             y = normalize_2nd_moment(self.embed(c.to(torch.float32)))
-            if embed_noise:
+            if isinstance(embed_noise, torch.Tensor) or embed_noise:      # a float, or one per sample [N, 1]
                 y = y + embed_noise * torch.randn_like(y)
             x = torch.cat([x, y], dim=1) if x is not None else y
         if x is None:

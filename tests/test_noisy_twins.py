@@ -15,6 +15,7 @@ from models.stylegan2 import MappingNetwork
 from tests.test_training_runs import write_tiny_dataset
 from training import cli, losses
 from training.config import build_config, finalize
+from training.dataset import effective_number_scale
 from training.trainer import Trainer
 
 
@@ -87,6 +88,57 @@ def test_embedding_noise_moves_w_in_proportion_and_none_is_the_plain_mapping():
     assert not torch.allclose(m(z, c, embed_noise=0.25), m(z, c, embed_noise=0.25))
 
 
+def test_a_per_sample_noise_scale_leaves_rows_of_scale_zero_alone():
+    torch.manual_seed(5)
+    m = MappingNetwork(z_dim=8, c_dim=3, w_dim=8, num_ws=2, num_layers=2)
+    z, c = torch.randn(6, 8), torch.eye(3)[torch.tensor([0, 1, 2, 0, 1, 2])]
+    plain = m(z, c)
+    scale = torch.tensor([[0.0], [0.5], [0.0], [0.5], [0.0], [0.5]])
+    noisy = m(z, c, embed_noise=scale)
+    moved = (noisy - plain).abs().amax(dim=(1, 2))
+    assert torch.equal(moved == 0, scale[:, 0] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-class noise: the effective number of samples
+
+def test_the_effective_number_scale_gives_rare_classes_more_noise_with_a_mean_of_one():
+    labels = np.array([0] * 100 + [1] * 10 + [2] * 1 + [4] * 10)          # class 3 has no images
+    s = effective_number_scale(labels, 0.99, num_classes=5)
+    e = (1 - 0.99 ** np.array([100, 10, 1, 10])) / 0.01                    # Cui et al.'s E_n
+    want = (1 / e) / (1 / e).mean()
+    assert np.allclose(s[[0, 1, 2, 4]], want) and s[3] == 0
+    assert s[2] > s[1] == s[4] > s[0] and s[[0, 1, 2, 4]].mean() == pytest.approx(1.0)
+    assert np.allclose(effective_number_scale(labels, 0.0, 5), [1, 1, 1, 0, 1])    # beta 0: one std for all
+
+
+def test_beta_scales_each_classes_noise_in_the_g_step(tmp_path):
+    tr, said = _trainer(tmp_path, noisy_twins=0.05, noisy_twins_beta=0.9)
+    assert tr.G_step.class_noise is None                   # switched on with the twins, at the first iteration
+    tr.iteration()
+    scale = tr.G_step.class_noise
+    assert scale is not None and scale.shape == (3,) and torch.allclose(scale, torch.ones(3), atol=1e-6)
+    assert "per class x1-x1 (beta 0.9)" in tr.describe()   # 8 images per class: the same scale
+    lab = np.array([0] * 20 + [1] * 3 + [2] * 1)
+    (tmp_path / "labels.json").write_text(json.dumps({"group": lab.tolist(), "groups": ["a", "b", "c"]}))
+    cfg = build_config("tiny", 16, data=str(tmp_path / "tiny16.npy"), out=str(tmp_path / "run2"), device="cpu",
+                       kimg=1.0, cond="group", labels=str(tmp_path / "labels.json"), monitor_kimg=0.0, aug="none",
+                       noisy_twins=0.05, noisy_twins_beta=0.9)
+    tr = Trainer(cfg, write_outputs=False, log=lambda s: None)
+    tr.iteration()
+    scale = tr.G_step.class_noise
+    assert scale[2] > scale[1] > scale[0] and torch.allclose(scale.mean(), torch.tensor(1.0))
+    # in the G step each row's noise is the class's scale x sigma: rows of the common class move least
+    torch.manual_seed(6)
+    c = torch.eye(3)[torch.tensor([0, 2] * 32)]
+    z = torch.randn(64, tr.G.z_dim)
+    with torch.no_grad():
+        plain = tr.G.mapping(z, c)
+        ws = tr.G_step.G.mapping(z, c, embed_noise=(c @ scale)[:, None] * tr.G_step.embed_noise)
+    moved = (ws - plain).norm(dim=2).mean(dim=1)
+    assert moved[1::2].mean() > 2 * moved[0::2].mean()
+
+
 # ---------------------------------------------------------------------------------------------
 # the trainer
 
@@ -142,6 +194,8 @@ def test_without_the_option_the_g_step_draws_as_before(tmp_path):
     (dict(noisy_twins=-0.1), "loss weight"),
     (dict(noisy_twins_sigma=0.0), "sigma must be > 0"),
     (dict(noisy_twins_start_kimg=-1.0), "start-kimg must be >= 0"),
+    (dict(noisy_twins_beta=1.0), r"beta must be in \[0, 1\)"),
+    (dict(noisy_twins_beta=-0.5), r"beta must be in \[0, 1\)"),
 ])
 def test_the_config_refuses_bad_settings(kw, msg):
     with pytest.raises(InputError, match=msg):
@@ -174,7 +228,8 @@ def test_a_twins_run_trains_logs_exports_and_retunes_from_the_command_line(tmp_p
 
     paths = export_run(run, tmp_path / "models" / "twins")
     meta = json.loads(paths["config"].read_text())
-    assert meta["metadata"]["training"]["noisy_twins"] == {"weight": 0.02, "sigma": 0.5, "start_kimg": 0.0}
+    assert meta["metadata"]["training"]["noisy_twins"] == {"weight": 0.02, "sigma": 0.5, "start_kimg": 0.0,
+                                                           "beta": 0.0}
     assert "NoisyTwins (`--noisy-twins 0.02`) from 0 kimg" in paths["card"].read_text()
 
     # switched off on a resume with --retune, and the log says so

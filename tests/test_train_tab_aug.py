@@ -479,7 +479,7 @@ def test_train_tab_trains_and_exports_a_noisy_twins_run(tmp_path, data, labels, 
 
         paths = m.export("twins", tmp_path / "models")                 # Export to studio
         meta = json.loads(paths["config"].read_text())["metadata"]["training"]
-        assert meta["noisy_twins"] == {"weight": 0.02, "sigma": 0.5, "start_kimg": 0.0}
+        assert meta["noisy_twins"] == {"weight": 0.02, "sigma": 0.5, "start_kimg": 0.0, "beta": 0.0}
         assert "NoisyTwins (`--noisy-twins 0.02`)" in paths["card"].read_text()
 
         # the noise without a weight does nothing in a new run: said, and passed as asked

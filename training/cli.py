@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="std of the class-embedding noise of --noisy-twins (default 0.25; the embedding has unit second moment)")
     a("--noisy-twins-start-kimg", type=float, default=None, metavar="N",
       help="switch --noisy-twins on at this kimg (default 0; the paper starts it on a trained model)")
+    a("--noisy-twins-beta", type=float, default=None, metavar="BETA",
+      help="with --noisy-twins: scale each class's noise by 1 / its effective number of samples (1 - BETA^n) / "
+           "(1 - BETA), normalised to a mean of 1, so rare classes get more (the paper's CIFAR10-LT: 0.99); "
+           "default 0 = the same noise for every class")
     a("--labels", default=None, metavar="FILE",
       help="JSON with a list of class indices per image under the --cond key (and the class names under its "
            "plural), or NVlabs' dataset.json; without it, the data folder's or .zip's own dataset.json; "
@@ -143,7 +147,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
                  "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d", "class_balance", "noisy_twins",
-                 "noisy_twins_sigma", "noisy_twins_start_kimg")
+                 "noisy_twins_sigma", "noisy_twins_start_kimg", "noisy_twins_beta")
 
 
 def retune_from_args(args: argparse.Namespace) -> dict | None:

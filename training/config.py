@@ -61,6 +61,8 @@ class TrainConfig:
     noisy_twins_sigma: float = 0.25         # std of that noise on the unit-second-moment class embedding
     noisy_twins_off_diagonal: float = 0.005 # Barlow Twins' weight of the cross-dimension correlations
     noisy_twins_start_kimg: float = 0.0     # switch it on at this kimg (the paper starts it on a trained model)
+    noisy_twins_beta: float = 0.0           # > 0: each class's noise x its effective-number scale (rare classes
+                                            # more; the paper's CIFAR10-LT 0.99); 0 = one std for every class
 
     # -- length -------------------------------------------------------------------------------
     kimg: float = 25000.0                   # stop after this many thousand real images shown to D
@@ -318,6 +320,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     need(cfg.noisy_twins_off_diagonal >= 0,
          f"--noisy-twins-off-diagonal must be >= 0 (Barlow Twins' 0.005); got {cfg.noisy_twins_off_diagonal}")
     need(cfg.noisy_twins_start_kimg >= 0, f"--noisy-twins-start-kimg must be >= 0; got {cfg.noisy_twins_start_kimg}")
+    need(0.0 <= cfg.noisy_twins_beta < 1.0,
+         f"--noisy-twins-beta must be in [0, 1) (0 = the same noise for every class; the paper's 0.99 gives rare "
+         f"classes more); got {cfg.noisy_twins_beta}")
     need(0.0 <= cfg.class_balance <= 1.0,
          f"--class-balance must be between 0 and 1 (0 = classes as often as the data has them, 0.5 = square-root "
          f"sampling, 1 = every class equally often); got {cfg.class_balance}")

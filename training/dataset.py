@@ -350,6 +350,18 @@ def _class_counts(labels: np.ndarray, num_classes: int = 0) -> np.ndarray:
     return np.bincount(labels, minlength=max(int(num_classes), int(labels.max()) + 1)).astype(np.float64)
 
 
+def effective_number_scale(labels: np.ndarray, beta: float, num_classes: int = 0) -> np.ndarray:
+    """Per-class noise scale from the effective number of samples (Cui et al. 2019), as NoisyTwins' code scales its
+    class-embedding noise: E_c = (1 - beta ** n_c) / (1 - beta), scale_c proportional to 1 / E_c, normalised to a
+    mean of 1 over the classes that have images (a class without any gets 0: it is never drawn). Rare classes get
+    more noise; beta = 0 gives 1 for every class with images. float64 [classes]."""
+    n = _class_counts(labels, num_classes)
+    beta = float(beta)
+    e = np.where(n > 0, (1.0 - beta ** n) / (1.0 - beta), 0.0)
+    inv = np.where(n > 0, 1.0 / np.where(n > 0, e, 1.0), 0.0)
+    return inv * (np.count_nonzero(n) / inv.sum())
+
+
 def class_balance_weights(labels: np.ndarray, alpha: float) -> np.ndarray:
     """Per-image sampling weights n_c(i) ** -alpha (float64, not normalised), n_c the image count of class c."""
     labels = np.asarray(labels, dtype=np.int64)

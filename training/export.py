@@ -199,7 +199,7 @@ def export_run(run: str | Path, to: str | Path | None = None, grid_path: str | P
         meta["training"]["class_balance"] = cfg.class_balance
     if cfg.noisy_twins:
         meta["training"]["noisy_twins"] = {"weight": cfg.noisy_twins, "sigma": cfg.noisy_twins_sigma,
-                                           "start_kimg": cfg.noisy_twins_start_kimg}
+                                           "start_kimg": cfg.noisy_twins_start_kimg, "beta": cfg.noisy_twins_beta}
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     size = weights.stat().st_size
     if max_bytes is not None and size > max_bytes:
@@ -294,7 +294,10 @@ def model_card(cfg: TrainConfig, doc: dict, meta: dict, data_meta: dict, size: i
         lines += [f"- NoisyTwins (`--noisy-twins {cfg.noisy_twins:g}`) from {cfg.noisy_twins_start_kimg:g} kimg: "
                   f"Gaussian noise of std {cfg.noisy_twins_sigma:g} on G's class embedding while training, and a "
                   "Barlow Twins loss on the w's of twin samples (same z and class, independent noise), against "
-                  "class-wise mode collapse. Inference uses the embedding without noise."]
+                  "class-wise mode collapse. Inference uses the embedding without noise."
+                  + (f" Each class's noise was scaled by 1 / its effective number of samples (beta "
+                     f"{cfg.noisy_twins_beta:g}, `--noisy-twins-beta`): rare classes got more." if cfg.noisy_twins_beta
+                     else "")]
     lines += [f"- Network arguments: `{json.dumps(cfg.g_kwargs)}`."]
     names = (meta.get("classes") or {}).get("names") or []
     if names:

@@ -809,7 +809,7 @@ def export_for_studio(run: str | Path, to: str | Path) -> dict[str, Path]:
         meta["training"]["class_balance"] = cfg.class_balance
     if cfg.noisy_twins:                # as training/export.py writes it
         meta["training"]["noisy_twins"] = {"weight": cfg.noisy_twins, "sigma": cfg.noisy_twins_sigma,
-                                           "start_kimg": cfg.noisy_twins_start_kimg}
+                                           "start_kimg": cfg.noisy_twins_start_kimg, "beta": cfg.noisy_twins_beta}
     weights = save_generator(G, to, cfg.arch, metadata=meta, dtype="fp16")
     card = weights.with_suffix(".md")
     card.write_text(model_card(cfg, doc, meta, {}, weights.stat().st_size, None, name=weights.stem))

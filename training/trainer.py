@@ -51,8 +51,8 @@ from training import distributed as dist_utils
 from training import losses
 from training.augment import AdaController, AugmentPipe, leak_prone_ops
 from training.config import TrainConfig, finalize
-from training.dataset import (ImageBatches, _mix, balanced_class_pool, class_balance_note, image_grid, image_names,
-                              load_images, load_labels, to_float, to_uint8_hwc)
+from training.dataset import (ImageBatches, _mix, balanced_class_pool, class_balance_note, effective_number_scale,
+                              image_grid, image_names, load_images, load_labels, to_float, to_uint8_hwc)
 from training.monitor import CollapseMonitor
 
 # Settings a resumed run may change: where/how long/how fast, never what is trained.
@@ -65,7 +65,7 @@ RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", 
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
 RESUME_RETUNABLE = ("batch", "lr_g", "lr_d", "r1_gamma", "r1_interval", "pl_weight", "style_mixing", "ema_kimg",
                     "aug", "aug_pipe", "ada_target", "ada_kimg", "ada_max_p", "d_steps", "class_balance",
-                    "noisy_twins", "noisy_twins_sigma", "noisy_twins_start_kimg")
+                    "noisy_twins", "noisy_twins_sigma", "noisy_twins_start_kimg", "noisy_twins_beta")
 
 LOG_FILE = "log.jsonl"
 GRID_FILE = "samples.png"
@@ -167,10 +167,16 @@ class GeneratorStep(torch.nn.Module):
         self.G = G
         self.style_mixing = float(style_mixing)
         self.embed_noise = 0.0      # NoisyTwins: noise on the class embedding of every generated image once on
+        self.class_noise = None     # ... times a per-class scale [c_dim] (--noisy-twins-beta), or the same for all
 
     def forward(self, z: torch.Tensor, c: torch.Tensor, update_emas: bool = False):
         G = self.G
-        noise = {"embed_noise": self.embed_noise} if self.embed_noise else {}
+        noise = {}
+        if self.embed_noise:
+            scale = self.embed_noise
+            if self.class_noise is not None:
+                scale = (c.to(torch.float32) @ self.class_noise)[:, None] * scale      # c: one-hot rows
+            noise = {"embed_noise": scale}
         with torch.autocast(z.device.type, enabled=False):
             ws = G.mapping(z, c, update_emas=update_emas, **noise)
             if self.style_mixing > 0:
@@ -264,6 +270,9 @@ class Trainer:
             self.label_pool = torch.from_numpy(pool).to(self.device)
             self.class_balance_note = class_balance_note(labels, cfg.class_balance)
         self.c_eye = torch.eye(cfg.c_dim, device=self.device)
+        self.class_noise_scale = None
+        if cfg.noisy_twins and cfg.noisy_twins_beta > 0 and labels is not None:
+            self.class_noise_scale = effective_number_scale(labels, cfg.noisy_twins_beta, cfg.c_dim)
         ref_idx = np.linspace(0, len(images) - 1, num=min(cfg.monitor_samples, len(images))).round().astype(int)
         self._monitor_real = torch.from_numpy(np.ascontiguousarray(images[ref_idx])).permute(0, 3, 1, 2)
         # class-conditional: up to 16 real images of every class, the yardstick of each class's own spread
@@ -665,6 +674,8 @@ class Trainer:
             return False
         if not self.G_step.embed_noise:
             self.G_step.embed_noise = float(cfg.noisy_twins_sigma)
+            if self.class_noise_scale is not None:
+                self.G_step.class_noise = torch.from_numpy(self.class_noise_scale).float().to(self.device)
             if self.is_main:
                 self.say(f"[twins] kimg {self.cur_nimg / 1000:g}: NoisyTwins on (weight {cfg.noisy_twins:g}, "
                          f"class-embedding noise {cfg.noisy_twins_sigma:g})")
@@ -1036,6 +1047,9 @@ class Trainer:
                 + (f"; {cfg.c_dim} classes ({cfg.cond}), {self.class_balance_note}" if self.class_balance_note else "")
                 + (f"; NoisyTwins weight {cfg.noisy_twins:g}, class-embedding noise {cfg.noisy_twins_sigma:g}"
                    + (f", from kimg {cfg.noisy_twins_start_kimg:g}" if cfg.noisy_twins_start_kimg else "")
+                   + (f", per class x{self.class_noise_scale[self.class_noise_scale > 0].min():.2g}"
+                      f"-x{self.class_noise_scale.max():.2g} (beta {cfg.noisy_twins_beta:g})"
+                      if self.class_noise_scale is not None else "")
                    if cfg.noisy_twins else ""))
 
     def run(self) -> dict[str, Any]:
