@@ -440,7 +440,7 @@ def test_train_tab_trains_and_exports_a_noisy_twins_run(tmp_path, data, labels, 
         weight, sigma = props["train-noisy-twins"], props["train-noisy-twins-sigma"]
         assert (weight["label"], weight["value"], weight["minimum"]) == ("NoisyTwins weight", 0, 0)
         assert (sigma["label"], sigma["value"], sigma["minimum"]) == ("Twins noise", 0, 0)
-        for words in ("NoisyTwins", "0 = off", "0.001-0.05", "class key"):
+        for words in ("NoisyTwins", "0 = off", "0.001-0.01", "class key"):
             assert words in weight["info"]
         assert "0 = the trainer's 0.25" in sigma["info"]
         # in the Classes accordion, with the class key and the class balance

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--noisy-twins", type=float, default=None, metavar="WEIGHT",
       help="with --cond: NoisyTwins against class-wise mode collapse (every sample of a class alike): noise on G's "
            "class embedding, and a Barlow Twins loss of this weight on the w's of twin samples (same z and class, "
-           "independent noise). 0 = off (default); the paper used 0.001-0.05")
+           "independent noise). 0 = off (default); the paper used 0.001-0.01")
     a("--noisy-twins-sigma", type=float, default=None, metavar="STD",
       help="std of the class-embedding noise of --noisy-twins (default 0.25; the embedding has unit second moment)")
     a("--noisy-twins-start-kimg", type=float, default=None, metavar="N",

@@ -312,11 +312,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
              f"--cond {cfg.cond} needs labels: --labels FILE (a JSON with a list of per-image class indices under "
              f"{cfg.cond!r}), or NVlabs' dataset.json inside the data folder or .zip")
     need(cfg.arch == "stylegan2" or not cfg.cond, "class-conditional training (--cond) is for StyleGAN2 networks")
-    need(cfg.noisy_twins >= 0, f"--noisy-twins is a loss weight (0 = off, the paper's 0.001-0.05); got {cfg.noisy_twins}")
+    need(cfg.noisy_twins >= 0, f"--noisy-twins is a loss weight (0 = off, the paper's 0.001-0.01); got {cfg.noisy_twins}")
     need(cfg.noisy_twins == 0 or bool(cfg.cond),
          f"--noisy-twins {cfg.noisy_twins:g} regularises the class embedding of a class-conditional G; this run is "
          "unconditional: add --cond KEY (with --labels) or drop --noisy-twins")
-    need(cfg.noisy_twins_sigma > 0, f"--noisy-twins-sigma must be > 0 (the paper's 0.25-0.75); got {cfg.noisy_twins_sigma}")
+    need(cfg.noisy_twins_sigma > 0, f"--noisy-twins-sigma must be > 0 (the paper's 0.1-0.75, on the raw embedding); got {cfg.noisy_twins_sigma}")
     need(cfg.noisy_twins_off_diagonal >= 0,
          f"--noisy-twins-off-diagonal must be >= 0 (Barlow Twins' 0.005); got {cfg.noisy_twins_off_diagonal}")
     need(cfg.noisy_twins_start_kimg >= 0, f"--noisy-twins-start-kimg must be >= 0; got {cfg.noisy_twins_start_kimg}")

@@ -138,7 +138,7 @@ class TrainRequest:
     class_balance: float = 0.0          # with cond: 0 = classes as often as the data has them, 0.5 = square root,
                                         # 1 = every class equally often (docs/training.md, "Class balance")
     noisy_twins: float = 0.0            # with cond: NoisyTwins weight against class-wise mode collapse (0 = off;
-                                        # the paper's 0.001-0.05; docs/training.md, "NoisyTwins")
+                                        # the paper's 0.001-0.01; docs/training.md, "NoisyTwins")
     noisy_twins_sigma: float = 0.0      # std of its class-embedding noise; 0 = the trainer's (0.25)
 
     def checked(self) -> "TrainRequest":
@@ -209,7 +209,7 @@ class TrainRequest:
                              f"0.05); got {self.noisy_twins}")
         if not (twins_sigma >= 0 and math.isfinite(twins_sigma)):
             raise InputError(f"the twins noise must be a number of 0 or more (0 = the trainer's 0.25; the paper used "
-                             f"0.25 to 0.75); got {self.noisy_twins_sigma}")
+                             f"0.1 to 0.75); got {self.noisy_twins_sigma}")
         if int(self.cbase or 0) < 0 or int(self.cmax or 0) < 0:
             raise InputError(f"the channel base and most channels must be positive (or 0 for the preset's); "
                              f"got {self.cbase}, {self.cmax}")

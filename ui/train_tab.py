@@ -50,7 +50,7 @@ INIT_NOTE = ("For a model whose run folder (its checkpoint) is gone, or one shar
              "checkpoint: tick *Resume it* instead.")
 BALANCE_INFO = ("0 = classes as often as your images have them, 0.5 = square-root (small classes more often), "
                 "1 = every class equally often; only for class-conditional runs (a class key)")
-TWINS_INFO = "keeps each class's pictures varied (NoisyTwins); 0 = off, the paper's 0.001-0.05; needs a class key"
+TWINS_INFO = "keeps each class's pictures varied (NoisyTwins); 0 = off, the paper's 0.001-0.01; needs a class key"
 TWINS_SIGMA_INFO = "std of NoisyTwins' noise on the class embedding; 0 = the trainer's 0.25"
 
 
@@ -218,7 +218,7 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
                     C["class_balance"] = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Class balance",
                                                    elem_id="train-class-balance", info=BALANCE_INFO)
                     with gr.Row():
-                        # Numbers, not sliders: the paper's weights span 0.001 to 0.05, too fine for a slider
+                        # Numbers, not sliders: the paper's weights span 0.001 to 0.01, too fine for a slider
                         C["noisy_twins"] = gr.Number(0, label="NoisyTwins weight", minimum=0, step=0.001,
                                                      elem_id="train-noisy-twins", info=TWINS_INFO)
                         C["noisy_twins_sigma"] = gr.Number(0, label="Twins noise", minimum=0, step=0.05,
@@ -302,7 +302,7 @@ def build_train_tab(settings: Settings, manager: TrainingRunManager, *, backend:
         `init_g` (a generator's name in the picker, or a path) starts a new run's G from that exported generator,
         D fresh; `freeze_g_kimg` trains D alone for the run's first N kimg. `class_balance` (0..1, with a class key)
         evens out how often the classes are trained: 0 = the data's proportions, 0.5 = square root, 1 = equal.
-        `noisy_twins` (a weight, with a class key; 0 = off, the paper's 0.001-0.05) adds NoisyTwins against
+        `noisy_twins` (a weight, with a class key; 0 = off, the paper's 0.001-0.01) adds NoisyTwins against
         class-wise mode collapse, with class-embedding noise of std `noisy_twins_sigma` (0 = the trainer's 0.25)."""
         if settings.public:
             data = _check_visitor_data(settings, str(data or ""))
