@@ -478,7 +478,6 @@ class MappingNetwork(torch.nn.Module):
         truncation_cutoff: int | None = None,        # truncate only the first this many ws, None = all
         update_emas: bool = False,
         truncation_centre: torch.Tensor | None = None,  # [w_dim] or [N, w_dim] (a class's mean w), None = w_avg
-        embed_noise: float | torch.Tensor = 0.0,        # std of noise on the normalised class embedding (NoisyTwins)
     ) -> torch.Tensor:                               # [N, num_ws, w_dim]
         _assert_shape(z, [None, self.z_dim], "z")
         if truncation_cutoff is None:
@@ -497,8 +496,6 @@ class MappingNetwork(torch.nn.Module):
                 _assert_shape(c, [z.shape[0], self.c_dim], "c")
                 y = self.embed(c.to(torch.float32))
                 y = y * (y.square().mean(1, keepdim=True) + 1e-8).rsqrt()
-                if isinstance(embed_noise, torch.Tensor) or embed_noise:   # a float, or one per sample [N, 1]
-                    y = y + embed_noise * torch.randn_like(y)
                 x = torch.cat([x, y], dim=1)
 
             for idx in range(self.num_layers):
