@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="with --compile: full (default) also compiles G's no-grad pass of the D step and runs the augmentation "
            "inside D's compiled graphs (fewer kernel launches and host work per step); nets compiles the network "
            "passes only (the trainer before 2026-12-06)")
+    a("--compile-cache", default=None, metavar="DIR",
+      help="with --compile: load the portable compile cache for this GPU from DIR before the first compile and save "
+           "it there after (torch.compiler.save_cache_artifacts): a fresh machine given the folder skips most of the "
+           "minutes a cold compile takes (docs/training.md, \"Speed\")")
     a("--init-g", default=None, metavar="FILE",
       help="start a new run's G and G_ema from this exported generator (.safetensors with its .json: a G_ema "
            "snapshot or a studio model of the same network); D starts fresh, counters continue from its kimg")
@@ -146,7 +150,7 @@ _PASS_THROUGH = ("data", "kimg", "minutes", "reserve_seconds", "loss", "optimize
                  "aug_p", "ada_max_p", "ada_target", "mirror", "seed", "monitor_kimg", "monitor_per_class", "auto_countermeasures", "d_dropout",
                  "precision", "tf32", "channels_last", "compile", "grad_checkpointing", "data_device",
                  "device", "log_every", "snapshot_kimg", "snapshot_minutes", "progress", "kernels", "snapshot_ema", "cbase", "cmax",
-                 "cond", "labels", "compile_scope", "init_g", "freeze_g_kimg", "init_d", "class_balance", "noisy_twins",
+                 "cond", "labels", "compile_scope", "compile_cache", "init_g", "freeze_g_kimg", "init_d", "class_balance", "noisy_twins",
                  "noisy_twins_sigma", "noisy_twins_start_kimg", "noisy_twins_beta")
 
 

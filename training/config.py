@@ -114,6 +114,8 @@ class TrainConfig:
     compile: bool = False                   # torch.compile the main forward passes (first compile: minutes)
     compile_scope: str = "full"             # with compile: full = also G's no-grad pass of the D step and the
                                             # augmentation inside D's graphs | nets = the network passes only
+    compile_cache: str = ""                 # with compile: a folder of portable compile-cache files (loaded
+                                            # before the first compile, saved after it; training/compile_cache.py)
     kernels: str = "auto"                   # op formulations (models.ops knobs): auto | reference | knob:choice/...
     grad_checkpointing: bool = False        # recompute activations in backward (memory for speed)
     data_device: str = "auto"               # auto | gpu | host: where the uint8 dataset lives

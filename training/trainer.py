@@ -59,7 +59,7 @@ from training.monitor import CollapseMonitor
 RESUME_OVERRIDABLE = ("out", "kimg", "minutes", "reserve_seconds", "log_every", "snapshot_kimg", "snapshot_minutes",
                       "progress", "device", "data", "data_device", "compile", "precision", "tf32",
                       "channels_last", "grad_checkpointing", "auto_countermeasures", "kernels",
-                      "snapshot_ema", "labels", "compile_scope")
+                      "snapshot_ema", "labels", "compile_scope", "compile_cache")
 # Settings of the training recipe (not of the networks) that a resumed run changes only when asked to
 # (`--retune`, NVlabs' resume-from-a-pickle freedom): the networks, EMA, optimizer moments, ADA p and
 # the counters carry over; a new learning rate or Adam beta replaces the saved one.
@@ -344,6 +344,12 @@ class Trainer:
             else:
                 self.D_train = torch.compile(self.D_train)
                 self.D_frozen = torch.compile(self.D_frozen)
+        # The portable compile cache (--compile-cache): loaded before the first call compiles anything.
+        self.compile_cache_loaded: dict | None = None
+        if cfg.compile and cfg.compile_cache:
+            from training import compile_cache
+
+            self.compile_cache_loaded = compile_cache.load(cfg.compile_cache, self.device)
 
         # -- optimizers --------------------------------------------------------------------------
         self.opt_G, self.opt_D = self._build_optimizers()
@@ -1096,9 +1102,16 @@ class Trainer:
         last_snapshot_time = time.time()
         stop_reason = "kimg"
         interval_seconds = 0.0
+        if self.is_main and self.compile_cache_loaded is not None:
+            self.say("[compile] " + self._compile_cache_note())
+        first_iteration_s = None           # host time of this piece's first iteration: where torch.compile works
+        compile_logged = False
         while self.cur_nimg < total_nimg:
             before = self.cur_nimg
+            t_it = time.time()
             self.iteration()
+            if first_iteration_s is None:
+                first_iteration_s = time.time() - t_it
             monitor_due = self.monitor is not None and crossed(cfg.monitor_kimg, before, self.cur_nimg)
             snapshot_due = crossed(cfg.snapshot_kimg, before, self.cur_nimg)
             if self.step % cfg.log_every == 0 or self.cur_nimg >= total_nimg:
@@ -1115,6 +1128,9 @@ class Trainer:
                 t_last, nimg_last = now, self.cur_nimg
                 record = self._log_record(vals, img_s)
                 self._append_log(record)
+                if cfg.compile and self.is_main and not compile_logged:
+                    self._log_compile(first_iteration_s)
+                    compile_logged = True        # once a piece
                 if bar is not None:
                     bar.n = round(self.cur_nimg / 1000, 1)
                     bar.set_postfix_str(f"{img_s:,.0f} img/s G {record['loss_G']:.3f} D {record['loss_D']:.3f} "
@@ -1151,6 +1167,13 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         # Make sure the saved state has no half-interval stats (they are per-log, not part of training).
         self._flush_stats_for_snapshot()
+        if cfg.compile and cfg.compile_cache and self.is_main:
+            from training import compile_cache
+
+            if first_iteration_s is not None and not compile_logged:
+                self._log_compile(first_iteration_s)       # the piece ended before its first log point
+            else:
+                compile_cache.save(cfg.compile_cache, self.device)     # anything compiled since (a recompile)
         sizes = self.save() if self.write_outputs else {}
         summary = {
             "stop_reason": stop_reason, "kimg": self.cur_nimg / 1000, "iterations": self.step,
@@ -1179,6 +1202,32 @@ class Trainer:
             if hasattr(self, name):
                 setattr(self, name, None)
         gc.collect()
+
+    def _compile_cache_note(self) -> str:
+        got = self.compile_cache_loaded or {}
+        if got.get("error"):
+            return (f"compile cache: {got.get('file') or self.cfg.compile_cache} not used ({got['error']}); "
+                    "compiling from scratch")
+        if got.get("file"):
+            return f"compile cache: loaded {got['file']} ({got['artifacts']} artifacts, {got['mib']:.1f} MiB)"
+        return (f"compile cache: none for this GPU in {self.cfg.compile_cache} yet; compiling from scratch and "
+                "saving it after the first log point")
+
+    def _log_compile(self, first_iteration_s: float) -> None:
+        """A `compile` record after the first log point: how long the first iteration took (the compile), the
+        cache's hits and misses, and (--compile-cache) the saved file."""
+        from training import compile_cache
+
+        saved = compile_cache.save(self.cfg.compile_cache, self.device) if self.cfg.compile_cache else None
+        hits = compile_cache.counters()
+        record = {"kind": "compile", "kimg": round(self.cur_nimg / 1000, 3), "step": self.step,
+                  "first_iteration_s": round(first_iteration_s, 2), **hits,
+                  "cache_loaded": self.compile_cache_loaded, "cache_saved": saved}
+        self._append_log(record)
+        self.say(f"[compile] first iteration {first_iteration_s:.1f} s; FX-graph cache {hits['fx_hit']} hits, "
+                 f"{hits['fx_miss']} misses; AOT-autograd cache {hits['aot_hit']} hits, {hits['aot_miss']} misses"
+                 + (f"; not saved ({saved['error']})" if saved and saved.get("error")
+                    else f"; saved {saved['file']} ({saved['mib']:.1f} MiB)" if saved else ""))
 
     def _flush_stats_for_snapshot(self) -> None:
         if self.dist.enabled:
