@@ -121,3 +121,15 @@ def test_the_option_is_a_machine_setting_that_a_resume_may_change():
     args = build_parser().parse_args(["--compile", "--compile-cache", "some/dir"])
     assert args.compile_cache == "some/dir" and "compile_cache" in _PASS_THROUGH
     assert "compile_cache" in RESUME_OVERRIDABLE and "compile_cache" not in RESUME_RETUNABLE
+
+
+def test_without_compile_the_cache_folder_is_named_as_unused_and_left_alone(tmp_path):
+    said = []
+    data = square_images(24, 16)
+    tr = Trainer(tiny_cfg("squares", tmp_path / "run", 0.008, batch=8, compile=False, compile_cache=str(tmp_path / "cc"),
+                          monitor_kimg=0.0),
+                 data=(data, DatasetInfo(source="squares", count=24, resolution=16, channels=3, decoder="array")),
+                 write_outputs=False, log=said.append)
+    tr.run()
+    assert any("--compile-cache" in s and "add --compile" in s for s in said), said
+    assert not (tmp_path / "cc").exists()

@@ -1104,6 +1104,9 @@ class Trainer:
         interval_seconds = 0.0
         if self.is_main and self.compile_cache_loaded is not None:
             self.say("[compile] " + self._compile_cache_note())
+        elif self.is_main and cfg.compile_cache:
+            self.say(f"[compile] --compile-cache {cfg.compile_cache} is not used: it keeps torch.compile's work, and "
+                     "this run does not compile (add --compile)")
         first_iteration_s = None           # host time of this piece's first iteration: where torch.compile works
         compile_logged = False
         while self.cur_nimg < total_nimg:
