@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from core import compile_artifacts
 from core.errors import AtelierError
 from core.types import OptimizationFlags
 from optim.hardware import capability, cxx_compiler, has_package, where
@@ -125,7 +126,7 @@ class CompileCache:
         return f"torch{torch.__version__.replace('+', '_')}-"
 
     def load_artifacts(self) -> int:
-        if not hasattr(torch.compiler, "load_cache_artifacts") or not self.artifacts_dir.is_dir():
+        if not compile_artifacts.supported() or not self.artifacts_dir.is_dir():
             return 0
         n = 0
         for path in sorted(self.artifacts_dir.glob(self._prefix() + "*.bin")):
@@ -133,7 +134,7 @@ class CompileCache:
             if key in _loaded_artifacts:
                 continue
             try:
-                torch.compiler.load_cache_artifacts(path.read_bytes())
+                compile_artifacts.load_file(path)
                 n += 1
             except Exception:  # a stale or truncated file only costs a recompile; drop it
                 path.unlink(missing_ok=True)
@@ -141,16 +142,11 @@ class CompileCache:
         return n
 
     def save_artifacts(self, key: str) -> Path | None:
-        if not hasattr(torch.compiler, "save_cache_artifacts"):
+        if not compile_artifacts.supported():
             return None
-        saved = torch.compiler.save_cache_artifacts()
-        if not saved or not saved[0]:
-            return None
-        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
         path = self.artifacts_dir / f"{self._prefix()}{key}.bin"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(saved[0])
-        tmp.replace(path)                  # atomic: a crash never leaves half a file to load
+        if compile_artifacts.save_file(path) is None:   # atomic: a crash never leaves half a file to load
+            return None
         _loaded_artifacts.add(str(path.resolve()))
         return path
 

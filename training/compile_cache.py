@@ -16,11 +16,12 @@ it was meant to save: it is reported and skipped, never fatal. The trainer saves
 """
 from __future__ import annotations
 
-import lzma
 import re
 from pathlib import Path
 
 import torch
+
+from core import compile_artifacts
 
 
 def device_slug(device: torch.device | str) -> str:
@@ -39,8 +40,7 @@ def cache_file(folder: str | Path, device: torch.device | str) -> Path:
     return Path(folder) / f"train-torch{version}-{device_slug(device)}.bin"
 
 
-def supported() -> bool:
-    return hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+supported = compile_artifacts.supported
 
 
 def counters() -> dict[str, int]:
@@ -67,19 +67,10 @@ def load(folder: str | Path, device: torch.device | str) -> dict:
         return {"file": None}
     path = found[-1]
     try:
-        raw = path.read_bytes()
-        if path.suffix == ".xz":
-            raw = lzma.decompress(raw)
-        info = torch.compiler.load_cache_artifacts(raw)
+        nbytes, info = compile_artifacts.load_file(path)
     except Exception as e:  # noqa: BLE001 - a bad file costs a compile, never the run
         return {"file": str(path), "error": f"{type(e).__name__}: {e}"}
-    if info is None:
-        return {"file": str(path), "error": "not a cache artifacts file of this torch version"}
-    return {"file": str(path), "mib": round(len(raw) / 2**20, 2), "artifacts": _artifact_count(info)}
-
-
-def _artifact_count(info) -> int:
-    return int(sum(len(keys) for keys in getattr(info, "artifacts", {}).values()))
+    return {"file": str(path), "mib": round(nbytes / 2**20, 2), "artifacts": compile_artifacts.artifact_count(info)}
 
 
 def pending() -> bool:
@@ -98,13 +89,9 @@ def save(folder: str | Path, device: torch.device | str) -> dict | None:
     try:
         if not supported() or not pending():
             return None
-        saved = torch.compiler.save_cache_artifacts()
-        if not saved or not saved[0]:
+        saved = compile_artifacts.save_file(path)
+        if saved is None:
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(saved[0])
-        tmp.replace(path)
     except Exception as e:  # noqa: BLE001 - a cache that cannot be written must not end a training run
         return {"file": str(path), "error": f"{type(e).__name__}: {e}"}
-    return {"file": str(path), "mib": round(len(saved[0]) / 2**20, 2), "artifacts": _artifact_count(saved[1])}
+    return {"file": str(path), "mib": round(saved[0] / 2**20, 2), "artifacts": compile_artifacts.artifact_count(saved[1])}
