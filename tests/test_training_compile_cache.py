@@ -75,6 +75,8 @@ def test_a_fresh_machine_given_the_file_reads_its_graphs_instead_of_compiling_th
     assert second["cache_loaded"]["file"] == str(saved) and second["cache_loaded"]["artifacts"] >= 1
     assert second["fx_hit"] >= 1 and second["fx_miss"] == 0, second
     assert "compile cache: loaded" in said
+    # ... and, having compiled nothing, it leaves the file as it was (a re-save would hold fewer entries)
+    assert second["cache_saved"] is None and "not saved again" in said
 
     # the travelling form: xz-packed, alone in its folder
     packed_dir = tmp_path / "carried"
@@ -84,7 +86,7 @@ def test_a_fresh_machine_given_the_file_reads_its_graphs_instead_of_compiling_th
     recs, _ = _fresh_machine_run(tmp_path, "third", data, packed_dir)
     third = _compile_record(recs)
     assert third["cache_loaded"]["file"] == str(packed) and third["fx_hit"] >= 1 and third["fx_miss"] == 0
-    assert compile_cache.cache_file(packed_dir, "cpu").is_file()     # and the run wrote the plain form beside it
+    assert not compile_cache.cache_file(packed_dir, "cpu").exists()  # nothing new compiled: nothing written
 
 
 def test_file_names_keep_devices_and_torch_versions_apart(tmp_path):

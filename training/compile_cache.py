@@ -82,12 +82,23 @@ def pending() -> bool:
     return bool(CacheArtifactManager.need_serialize())
 
 
-def save(folder: str | Path, device: torch.device | str) -> dict | None:
+def covered(loaded: dict | None) -> bool:
+    """Whether the file `load` read served every graph this process has compiled so far (FX-graph and
+    AOT-autograd caches: hits, no misses). Saving again would only rewrite that file, and with fewer entries
+    (an H100 run given 280 artifacts re-recorded 266 of them, 2026-12-08)."""
+    if not loaded or not loaded.get("file") or loaded.get("error"):
+        return False
+    c = counters()
+    return c["fx_hit"] + c["aot_hit"] > 0 and c["fx_miss"] == 0 and c["aot_miss"] == 0
+
+
+def save(folder: str | Path, device: torch.device | str, loaded: dict | None = None) -> dict | None:
     """Write everything this process compiled or loaded to `folder` (atomically); None when there is nothing
-    new to write. The bytes are cumulative: each save holds every artifact of the process so far."""
+    new to write: nothing compiled, or (`loaded`, what `load` returned) every graph came from that file. The
+    bytes are cumulative: each save holds every artifact of the process so far."""
     path = cache_file(folder, device)
     try:
-        if not supported() or not pending():
+        if not supported() or not pending() or covered(loaded):
             return None
         saved = compile_artifacts.save_file(path)
         if saved is None:

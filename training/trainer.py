@@ -1176,7 +1176,8 @@ class Trainer:
             if first_iteration_s is not None and not compile_logged:
                 self._log_compile(first_iteration_s)       # the piece ended before its first log point
             else:
-                compile_cache.save(cfg.compile_cache, self.device)     # anything compiled since (a recompile)
+                compile_cache.save(cfg.compile_cache, self.device,    # anything compiled since (a recompile)
+                                   self.compile_cache_loaded)
         sizes = self.save() if self.write_outputs else {}
         summary = {
             "stop_reason": stop_reason, "kimg": self.cur_nimg / 1000, "iterations": self.step,
@@ -1221,7 +1222,8 @@ class Trainer:
         cache's hits and misses, and (--compile-cache) the saved file."""
         from training import compile_cache
 
-        saved = compile_cache.save(self.cfg.compile_cache, self.device) if self.cfg.compile_cache else None
+        saved = (compile_cache.save(self.cfg.compile_cache, self.device, self.compile_cache_loaded)
+                 if self.cfg.compile_cache else None)
         hits = compile_cache.counters()
         record = {"kind": "compile", "kimg": round(self.cur_nimg / 1000, 3), "step": self.step,
                   "first_iteration_s": round(first_iteration_s, 2), **hits,
@@ -1230,7 +1232,9 @@ class Trainer:
         self.say(f"[compile] first iteration {first_iteration_s:.1f} s; FX-graph cache {hits['fx_hit']} hits, "
                  f"{hits['fx_miss']} misses; AOT-autograd cache {hits['aot_hit']} hits, {hits['aot_miss']} misses"
                  + (f"; not saved ({saved['error']})" if saved and saved.get("error")
-                    else f"; saved {saved['file']} ({saved['mib']:.1f} MiB)" if saved else ""))
+                    else f"; saved {saved['file']} ({saved['mib']:.1f} MiB)" if saved
+                    else "; every graph came from the loaded file, so it is not saved again"
+                    if compile_cache.covered(self.compile_cache_loaded) else ""))
 
     def _flush_stats_for_snapshot(self) -> None:
         if self.dist.enabled:
