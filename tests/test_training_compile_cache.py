@@ -135,3 +135,20 @@ def test_without_compile_the_cache_folder_is_named_as_unused_and_left_alone(tmp_
     tr.run()
     assert any("--compile-cache" in s and "add --compile" in s for s in said), said
     assert not (tmp_path / "cc").exists()
+
+
+def test_the_time_budget_judges_the_next_interval_without_the_first_iterations_compile():
+    from training.trainer import next_interval_estimate
+
+    # the 2026-12-08 cold H100 run: the first log point (100 iterations of 256) came 189 s after the start, its
+    # interval about 160 s, 151.4 s of it the first iteration's compile. A 5-minute sitting judged by that
+    # interval (189 + 160 + 45 s reserve > 300) stopped there with ~110 s unused; the 99 other iterations say
+    # the next interval takes under 9 s, so it trains on (189 + 9 + 45 < 300)
+    est = next_interval_estimate(160.0, 151.4, 100)
+    assert est == pytest.approx(8.6 * 100 / 99)
+    assert 189.0 + est + 45.0 < 300.0 < 189.0 + 160.0 + 45.0
+    # later intervals, and an interval of one iteration (nothing else to go by), are taken as they were
+    assert next_interval_estimate(8.0, None, 100) == 8.0
+    assert next_interval_estimate(50.0, 49.0, 1) == 50.0
+    # a first iteration measured longer than its interval (clock granularity) never gives a negative estimate
+    assert next_interval_estimate(10.0, 10.5, 100) == 0.0
