@@ -214,7 +214,7 @@ def next_interval_estimate(interval_seconds: float, first_iteration_s: float | N
     """How long the next log interval will take, for the time budget's stop decision.
 
     The last interval's length, except for a piece's first: its first iteration holds torch.compile (151 s
-    cold on an H100 for emoji64, where 100 steady iterations take 8 s), cuDNN's autotuning and lazy setup, so
+    cold on an H100 for emoji64, where the other 99 iterations take about 9 s), cuDNN's autotuning and lazy setup, so
     the other iterations' mean stands for the next interval. Judged by the first interval as it was, a run
     with a few minutes' budget stopped at its first log point with most of its budget unused."""
     if first_iteration_s is None or iterations < 2:
